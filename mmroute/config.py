@@ -117,6 +117,7 @@ class RouterConfig:
     media_max_pixels: int = 178_956_970  # PIL's decompression-bomb threshold (x2 of its warning)
     media_allow_hosts: list[str] = field(default_factory=list)  # CIDRs/hosts allowed despite SSRF guard
     allow_page_size_1: bool = False
+    lora_modules: list[str] = field(default_factory=list)  # adapter names served by the workers
 
     def validate(self) -> None:
         if not self.model:

@@ -44,6 +44,10 @@ Encode = Callable[[str, bool], list[int]]
 
 
 class VisionFamily(Protocol):
+    """Optional: a family whose engine re-tokenizes the prompt text (Phi-3-vision) sets
+    ``needs_text = True`` and offers ``expand_text(text, images, encode) -> (ids,
+    spans)`` taking the rendered prompt string; its ``expand`` raises ExpansionError."""
+
     name: str
     image_token_id: int  # the id filling image spans in the vLLM view
 

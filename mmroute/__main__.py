@@ -1,0 +1,5 @@
+import sys
+
+from mmroute.cli import main
+
+sys.exit(main())

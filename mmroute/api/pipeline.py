@@ -1,0 +1,287 @@
+"""The routing decision for one request: body → token view → keys → overlaps → pick.
+
+This is the request's path through the house (api → render → media → routing)
+without any HTTP: the handlers call ``prepare`` then ``decide``; ``/router/explain``
+calls the same two and stops there, so what explain shows is what routing does.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from mmroute.errors import RouterError, bad_request
+from mmroute.media.resolve import ImageRef
+from mmroute.render.renderer import RenderedPrompt, UnroutablePrompt
+from mmroute.routing import views
+from mmroute.routing.scheduler import Candidate, Decision, NoEligibleWorker, RequestSize
+
+if TYPE_CHECKING:
+    from mmroute.api.context import AppContext
+    from mmroute.workers.registry import Worker
+
+log = logging.getLogger("mmroute.route")
+
+DEFAULT_BLOCK_SIZE = 16  # only used to cut keys before any worker told us its size
+DEFAULT_DECODE_TOKENS = 256  # expected output when the client set no max_tokens
+
+
+@dataclass
+class Prepared:
+    """A parsed, rendered request, ready to be scored."""
+
+    endpoint: str  # "chat" | "completions"
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    prompt: RenderedPrompt | None = None  # None: routed on load alone
+    images: list[ImageRef | None] = field(default_factory=list)
+    image_urls: list[str] = field(default_factory=list)
+    fallback: str | None = None  # why routing is not exact (None: exact)
+    decode_tokens: int = DEFAULT_DECODE_TOKENS
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt.token_ids) if self.prompt is not None else 0
+
+    @property
+    def has_mm(self) -> bool:
+        return self.prompt is not None and bool(self.prompt.mm_items)
+
+
+@dataclass
+class ViewKeys:
+    """The keys of one backend's token view, shared by the workers that use it."""
+
+    name: str  # "vllm" | "sglang:wide" | "sglang:legacy" | "sglang:text" | "none"
+    keys: list[int]
+    tokens: int  # length of the view's token list (for cached-token prediction)
+    mm_exact: bool  # image blocks are keyed exactly in this view
+
+
+@dataclass
+class Route:
+    prepared: Prepared
+    decision: Decision
+    block_size: int
+    overlaps: dict[str, int]
+    views: dict[str, ViewKeys]  # worker id -> its view
+    stages: dict[str, float]
+
+    @property
+    def worker_id(self) -> str:
+        return self.decision.worker_id
+
+    def request_blocks(self) -> int:
+        p = self.prepared.prompt_tokens
+        return math.ceil(p / self.block_size) if p else 0
+
+    def predicted_cached_tokens(self, worker_id: str) -> int:
+        """What the worker should report as cached: block-aligned, last token recomputed
+        (ENGINES.md §2.5, §3.4)."""
+        p = self.prepared.prompt_tokens
+        if p == 0:
+            return 0
+        bs = self.block_size
+        return min(self.overlaps.get(worker_id, 0) * bs, ((p - 1) // bs) * bs)
+
+
+def _model_and_lora(ctx: "AppContext", body: dict[str, Any]) -> tuple[str, str | None]:
+    model = body.get("model")
+    names = ctx.config.model_names
+    if model is None:
+        return names[0], None
+    if not isinstance(model, str):
+        raise bad_request("'model' must be a string", param="model")
+    if model in names:
+        return model, None
+    if model in ctx.lora_names:
+        return model, model  # vLLM keys a LoRA request's blocks with the adapter name
+    raise RouterError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model",
+                      err_type="NotFoundError")
+
+
+def _int_field(body: dict[str, Any], name: str) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise bad_request(f"'{name}' must be a non-negative integer", param=name)
+    return v
+
+
+def _validate_common(body: dict[str, Any]) -> tuple[bool, str | None, int]:
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("'stream' must be a boolean", param="stream")
+    so = body.get("stream_options")
+    if so is not None:
+        if not stream:
+            # vLLM: "Stream options can only be defined when `stream=True`."
+            raise bad_request("Stream options can only be defined when `stream=True`.", param="stream_options")
+        if not isinstance(so, dict):
+            raise bad_request("'stream_options' must be an object", param="stream_options")
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not 1 <= len(salt) <= 1024):
+        raise bad_request("'cache_salt' must be a string of 1 to 1024 characters", param="cache_salt")
+    n = body.get("n", 1)
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise bad_request("'n' must be a positive integer", param="n")
+    mt = _int_field(body, "max_completion_tokens")
+    if mt is None:
+        mt = _int_field(body, "max_tokens")
+    return stream, salt, mt if mt is not None else DEFAULT_DECODE_TOKENS
+
+
+async def prepare(ctx: "AppContext", endpoint: str, body: Any) -> Prepared:
+    """Validate and render. Raises RouterError (4xx) for bad input."""
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    model, lora = _model_and_lora(ctx, body)
+    stream, salt, decode = _validate_common(body)
+    prep = Prepared(endpoint, body, model, stream, lora, salt, decode_tokens=decode)
+    t0 = time.perf_counter()
+    if endpoint == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("'messages' must be a non-empty list", param="messages")
+        parts = ctx.renderer.image_parts(messages)
+        prep.image_urls = [_part_url(p) for p in parts]
+        if parts:
+            t1 = time.perf_counter()
+            prep.images = await ctx.resolve_images(prep.image_urls)
+            ctx.metrics.observe_stage("media", time.perf_counter() - t1)
+        if ctx.config.tokenize == "remote":
+            prep.prompt = await ctx.remote_tokens(prep)
+        else:
+            inputs = [img.to_input() if img is not None else None for img in prep.images]
+            prep.prompt = ctx.renderer.render_chat(body, inputs)
+    elif endpoint == "completions":
+        if "prompt" not in body:
+            raise bad_request("'prompt' is required", param="prompt")
+        try:
+            if ctx.config.tokenize == "remote":
+                prep.prompt = await ctx.remote_tokens(prep)
+            else:
+                prep.prompt = ctx.renderer.render_completion(body)
+        except UnroutablePrompt as exc:
+            prep.fallback = exc.reason
+    else:  # pragma: no cover - handlers only pass the two
+        raise bad_request(f"unknown endpoint {endpoint!r}")
+    ctx.metrics.observe_stage("render", time.perf_counter() - t0)
+    if prep.prompt is not None:
+        ctx.renderer.check_length(prep.prompt, _int_field(body, "max_completion_tokens") or _int_field(body, "max_tokens"))
+        if prep.prompt.fallback:
+            prep.fallback = prep.prompt.fallback
+            ctx.metrics.mm_fallback.labels(prep.prompt.fallback).inc()
+    if prep.fallback:
+        ctx.metrics.fallback.labels(prep.fallback).inc()
+    return prep
+
+
+def _part_url(part: dict[str, Any]) -> str:
+    iu = part.get("image_url")
+    if isinstance(iu, dict):
+        iu = iu.get("url")
+    if not isinstance(iu, str) or not iu:
+        raise bad_request("image_url parts need a non-empty 'url'", param="messages")
+    return iu
+
+
+def _view_for(ctx: "AppContext", prep: Prepared, w: "Worker", bs: int, cache: dict[str, ViewKeys]) -> ViewKeys:
+    p = prep.prompt
+    if p is None:
+        return cache.setdefault("none", ViewKeys("none", [], 0, False))
+    if w.backend != "sglang":
+        v = cache.get("vllm")
+        if v is None:
+            keys = views.vllm_view_keys(p.token_ids, p.mm_items, bs, prep.lora_name, prep.cache_salt)
+            v = cache["vllm"] = ViewKeys("vllm", keys, len(p.token_ids), True)
+        return v
+    # SGLang publishes no extra keys: salted / LoRA requests cannot be matched (ENGINES.md §3.1).
+    if prep.lora_name or prep.cache_salt is not None:
+        return cache.setdefault("sglang:nomatch", ViewKeys("sglang:nomatch", [], len(p.token_ids), False))
+    scheme = views.sglang_scheme_for_version(w.version or "") if p.mm_items else None
+    if p.mm_items and (scheme is None or not w.mm_hashes_ok):
+        # Image pages unmatchable on this worker: key the text before the first image only.
+        name = "sglang:text"
+        if name not in cache:
+            first = min(it.offset for it in p.mm_items)
+            cache[name] = ViewKeys(name, views.sglang_view_keys(p.token_ids[:first], [], bs, None), len(p.token_ids), False)
+        return cache[name]
+    name = f"sglang:{scheme or 'plain'}"
+    if name not in cache:
+        cache[name] = ViewKeys(name, views.sglang_view_keys(p.token_ids, p.mm_items, bs, scheme), len(p.token_ids), True)
+    return cache[name]
+
+
+def decide(ctx: "AppContext", prep: Prepared, exclude: set[str] | frozenset[str] = frozenset()) -> Route:
+    """Score every worker and pick one. Raises RouterError(503) when none is usable."""
+    stages: dict[str, float] = {}
+    workers = list(ctx.registry.workers.values())
+    bs = ctx.block_size()
+    t0 = time.perf_counter()
+    cache: dict[str, ViewKeys] = {}
+    per_worker = {w.id: _view_for(ctx, prep, w, bs, cache) for w in workers}
+    t1 = time.perf_counter()
+    stages["hash"] = t1 - t0
+    overlaps: dict[str, int] = {}
+    if ctx.config.policy == "kv":
+        by_view: dict[str, list[str]] = {}
+        for wid, v in per_worker.items():
+            by_view.setdefault(v.name, []).append(wid)
+        for name, wids in by_view.items():
+            overlaps.update(ctx.index.overlaps(cache[name].keys, wids))
+    else:
+        overlaps = {w.id: 0 for w in workers}
+    t2 = time.perf_counter()
+    stages["lookup"] = t2 - t1
+    candidates = [
+        Candidate(
+            worker_id=w.id,
+            overlap_blocks=overlaps.get(w.id, 0),
+            indexed_blocks=ctx.index.block_count(w.id),
+            healthy=w.usable,
+            queued_reqs_reported=w.reported_waiting,
+        )
+        for w in workers
+    ]
+    size = RequestSize(prompt_tokens=prep.prompt_tokens, block_size=bs, decode_tokens=prep.decode_tokens)
+    try:
+        decision = ctx.scheduler.choose(candidates, size, exclude)
+    except NoEligibleWorker:
+        raise RouterError(503, "No healthy worker is available to serve this request; retry later.",
+                          code="no_healthy_worker", headers={"Retry-After": "1"}) from None
+    stages["schedule"] = time.perf_counter() - t2
+    for stage, secs in stages.items():
+        ctx.metrics.observe_stage(stage, secs)
+    return Route(prep, decision, bs, overlaps, per_worker, stages)
+
+
+def forward_chat_body(prep: Prepared, route: Route, worker: "Worker") -> dict[str, Any]:
+    """The chat body a vLLM worker receives: unchanged, plus each image's identifier as
+    the part's ``uuid`` so vLLM keys its blocks with it verbatim (ENGINES.md §2.1).
+    No uuid at all when the router could not make the images exact."""
+    body = prep.body
+    if prep.endpoint != "chat" or not prep.has_mm or worker.backend == "sglang":
+        return body
+    body = dict(body)
+    body["messages"] = msgs = copy.deepcopy(prep.body["messages"])
+    i = 0
+    for m in msgs:
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                img = prep.images[i] if i < len(prep.images) else None
+                if img is not None:
+                    part["uuid"] = img.identifier
+                i += 1
+    return body

@@ -1,0 +1,427 @@
+"""KVSubscriber / KVCollector over real ZMQ sockets, fed with the real captures.
+
+The test publishers are XPUB sockets (wire-identical to the engines' PUB) so a test can
+wait for the subscription to arrive instead of sleeping through the slow-joiner window;
+one test uses a plain PUB and relies on the subscriber's join -> replay-from-0 path.
+The replay server is a ROUTER answering ``[identity, b"", start]`` like the engines'.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from mmroute.kv.events import EventBatch
+from mmroute.kv.subscriber import KVCollector, KVSubscriber
+from mmroute.kv.wire import END_SEQ, decode_message
+from mmroute.metrics import Metrics
+
+FIXTURES = Path(__file__).parent / "fixtures" / "kv_events"
+TIMEOUT = 10.0
+
+
+def load_frames(name: str) -> list[list[bytes]]:
+    lines = (FIXTURES / name).read_text().splitlines()
+    return [[bytes.fromhex(h) for h in json.loads(line)["frames_hex"]] for line in lines]
+
+
+class Capture:
+    """One engine's live messages (by seq) and its replay reply frames (by seq)."""
+
+    def __init__(self, engine: str):
+        self.live = {int.from_bytes(f[1], "big"): f for f in load_frames(f"{engine}_events.jsonl")}
+        replay = load_frames(f"{engine}_replay.jsonl")
+        assert replay[-1][-2] == END_SEQ
+        self.end = replay[-1]
+        self.replay = {int.from_bytes(f[-2], "big"): f for f in replay[:-1]}
+        self.batches = {seq: decode_message([b"", f[-2], f[-1]]).batch for seq, f in self.replay.items()}
+
+    def seq_of(self, batch: EventBatch) -> int:
+        (seq,) = [s for s, b in self.batches.items() if b == batch]
+        return seq
+
+
+class RecordingSink:
+    def __init__(self, capture: Capture | None = None):
+        self.log: list[tuple] = []
+        self.capture = capture
+        self.fail_next = 0
+
+    def apply(self, worker_id: str, dp_rank: int, batch: EventBatch) -> None:
+        if self.fail_next:
+            self.fail_next -= 1
+            raise RuntimeError("sink exploded")
+        self.log.append(("apply", worker_id, dp_rank, self.capture.seq_of(batch) if self.capture else batch))
+
+    def clear(self, worker_id: str, dp_rank: int | None) -> None:
+        self.log.append(("clear", worker_id, dp_rank))
+
+
+class Publisher:
+    """XPUB (or PUB) bound on an ephemeral port, or connected to a collector."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, kind: int = zmq.XPUB, connect: str | None = None):
+        self.sock = ctx.socket(kind)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if connect:
+            self.sock.connect(connect)
+            self.endpoint = connect
+        else:
+            port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+            self.endpoint = f"tcp://127.0.0.1:{port}"
+
+    async def wait_subscribed(self) -> bytes:
+        msg = await asyncio.wait_for(self.sock.recv(), TIMEOUT)
+        assert msg[:1] == b"\x01"
+        return msg[1:]
+
+    async def send(self, frames: list[bytes], topic: bytes | None = None) -> None:
+        if topic is not None:
+            frames = [topic, *frames[1:]]
+        await self.sock.send_multipart(frames)
+
+
+class ReplayServer:
+    """ROUTER replay endpoint serving a capture's reply frames for seq in [start, max_seq]."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, capture: Capture | None, *, silent: bool = False):
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.capture = capture
+        self.silent = silent
+        self.max_seq = -1  # what the "publisher" has published so far
+        self.requests: list[int] = []
+        self.got_request = asyncio.Event()
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.task = asyncio.get_running_loop().create_task(self._serve())
+
+    async def _serve(self) -> None:
+        while True:
+            frames = await self.sock.recv_multipart()
+            ident, rest = frames[0], frames[1:]
+            assert rest[0] == b"" and len(rest) == 2, f"bad replay request {rest!r}"
+            start = int.from_bytes(rest[1], "big")
+            self.requests.append(start)
+            upto = self.max_seq  # snapshot at request time
+            self.got_request.set()
+            if self.silent:
+                continue
+            await self.gate.wait()
+            for seq in sorted(self.capture.replay):
+                if start <= seq <= upto:
+                    await self.sock.send_multipart([ident, *self.capture.replay[seq]])
+            await self.sock.send_multipart([ident, *self.capture.end])
+
+    async def close(self) -> None:
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+        self.sock.close(linger=0)
+
+
+@pytest.fixture
+async def ctx():
+    c = zmq.asyncio.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+async def publish(pub: Publisher, cap: Capture, server: ReplayServer | None, *seqs: int, topic=None) -> None:
+    for s in seqs:
+        if server is not None:
+            server.max_seq = max(server.max_seq, s)
+        await pub.send(cap.live[s] if s in cap.live else [b"", *cap.replay[s][-2:]], topic)
+
+
+async def started(sub):
+    sub.start()
+    return sub
+
+
+def applied(sink: RecordingSink, worker="w1", rank=0) -> list[int]:
+    return [e[3] for e in sink.log if e[0] == "apply" and e[1] == worker and e[2] == rank]
+
+
+# ---- tests ---------------------------------------------------------------------------------
+
+
+async def test_slow_joiner_plain_pub_replays_from_zero(ctx):
+    """A real PUB publishes before the SUB is connected; whatever the join point, the
+    sink ends with every batch exactly once, in order (join -> replay from 0)."""
+    cap = Capture("vllm-0.33.0")
+    pub = Publisher(ctx, zmq.PUB)
+    server = ReplayServer(ctx, cap)
+    sink = RecordingSink(cap)
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=ctx))
+    await publish(pub, cap, server, *range(10))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + TIMEOUT
+    # Probe: re-publish the newest message until the subscriber has caught up to it.
+    while not await sub.wait_for(lambda s: s.last_seq == 9, timeout=0.05):
+        assert loop.time() < deadline, sub.snapshot()
+        await publish(pub, cap, server, 9)
+    assert sink.log == [("apply", "w1", 0, s) for s in range(10)]
+    assert sub.events_seen == 34 and sub.messages_applied == 10
+    assert sub.decode_errors == 0 and sub.restarts == 0
+    await sub.stop()
+    await server.close()
+
+
+async def test_join_after_start_replays_from_zero_sglang(ctx):
+    """SGLang: live starts at seq 1; the startup AllBlocksCleared (seq 0) only comes by replay."""
+    cap = Capture("sglang-0.5.23")
+    pub = Publisher(ctx)
+    server = ReplayServer(ctx, cap)
+    sink = RecordingSink(cap)
+    metrics = Metrics()
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=ctx, metrics=metrics))
+    await pub.wait_subscribed()
+    await publish(pub, cap, server, 1)
+    assert await sub.wait_for(lambda s: s.messages_applied == 2, TIMEOUT), sub.snapshot()
+    assert server.requests == [0]
+    await publish(pub, cap, server, *range(2, 10))
+    assert await sub.wait_for(lambda s: s.last_seq == 9, TIMEOUT), sub.snapshot()
+    assert applied(sink) == list(range(10)) and len(sink.log) == 10
+    assert sub.stats.replay_outcomes == {"ok": 1}
+    assert sub.stats.duplicates == 1 and sub.gaps == 0
+    assert sub.ready and sub.connected
+    assert metrics.registry.get_sample_value("mmroute_kv_replays_total", {"worker": "w1", "outcome": "ok"}) == 1
+    assert metrics.registry.get_sample_value(
+        "mmroute_kv_events_total", {"worker": "w1", "type": "BlockStored", "status": "applied"}) == 8
+    assert metrics.registry.get_sample_value(
+        "mmroute_kv_events_total", {"worker": "w1", "type": "AllBlocksCleared", "status": "applied"}) == 2
+    await sub.stop()
+    await server.close()
+
+
+async def test_gap_replay_three_frame_layout_vllm023(ctx):
+    cap = Capture("vllm-0.23.0")
+    assert all(len(f) == 3 for f in cap.replay.values())  # [b"", seq, payload]
+    pub = Publisher(ctx)
+    server = ReplayServer(ctx, cap)
+    sink = RecordingSink(cap)
+    metrics = Metrics()
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=ctx, metrics=metrics))
+    await pub.wait_subscribed()
+    await publish(pub, cap, server, 0)
+    assert await sub.wait_for(lambda s: s.messages_applied == 1, TIMEOUT)
+    server.max_seq = 1  # seq 1 published but lost on the way
+    await publish(pub, cap, server, 2, 3)
+    assert await sub.wait_for(lambda s: s.messages_seen == 3 and s.last_seq == 3, TIMEOUT), sub.snapshot()
+    assert sink.log == [("apply", "w1", 0, s) for s in range(4)]
+    assert server.requests == [1]
+    assert sub.gaps == 1 and sub.stats.replay_outcomes == {"ok": 1} and sub.stats.clears == 0
+    assert metrics.registry.get_sample_value("mmroute_kv_seq_gaps_total", {"worker": "w1"}) == 1
+    await sub.stop()
+    await server.close()
+
+
+async def test_live_messages_during_replay_are_buffered_then_applied(ctx):
+    """vLLM 0.33 four-frame replay; live 4, 5 arrive while the replay is held back."""
+    cap = Capture("vllm-0.33.0")
+    assert all(len(f) == 4 for f in cap.replay.values())  # [b"", topic, seq, payload]
+    pub = Publisher(ctx)
+    server = ReplayServer(ctx, cap)
+    sink = RecordingSink(cap)
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=ctx))
+    await pub.wait_subscribed()
+    await publish(pub, cap, server, 0, 1)
+    assert await sub.wait_for(lambda s: s.messages_applied == 2, TIMEOUT)
+    server.gate.clear()
+    server.max_seq = 2  # seq 2 lost
+    await publish(pub, cap, server, 3)
+    await asyncio.wait_for(server.got_request.wait(), TIMEOUT)
+    assert server.requests == [2]
+    await publish(pub, cap, server, 4, 5)  # replay snapshot ends at 3: these come live
+    server.gate.set()
+    assert await sub.wait_for(lambda s: s.messages_seen == 5 and s.stats.duplicates == 1, TIMEOUT), sub.snapshot()
+    assert sink.log == [("apply", "w1", 0, s) for s in range(6)]
+    assert sub.stats.duplicates == 1  # live 3, already replayed
+    assert sub.stats.replay_outcomes == {"ok": 1}
+    await sub.stop()
+    await server.close()
+
+
+async def test_gap_without_replay_endpoint_clears(ctx):
+    cap = Capture("vllm-0.33.0")
+    pub = Publisher(ctx)
+    sink = RecordingSink(cap)
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=ctx))
+    await pub.wait_subscribed()
+    await publish(pub, cap, None, 0, 1, 3, 4)
+    assert await sub.wait_for(lambda s: s.last_seq == 4, TIMEOUT), sub.snapshot()
+    assert sink.log == [("apply", "w1", 0, 0), ("apply", "w1", 0, 1), ("clear", "w1", 0),
+                        ("apply", "w1", 0, 3), ("apply", "w1", 0, 4)]
+    assert sub.gaps == 1 and sub.stats.clears == 1 and sub.replays == 0
+    await sub.stop()
+
+
+async def test_first_message_without_replay_is_applied(ctx):
+    cap = Capture("sglang-0.5.22")
+    pub = Publisher(ctx)
+    sink = RecordingSink(cap)
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=ctx))
+    await pub.wait_subscribed()
+    await publish(pub, cap, None, 2, 3, 3, 4)  # joined late, and one duplicate
+    assert await sub.wait_for(lambda s: s.messages_seen == 4, TIMEOUT), sub.snapshot()
+    assert sink.log == [("apply", "w1", 0, s) for s in (2, 3, 4)]
+    assert sub.gaps == 0 and sub.stats.clears == 0 and sub.stats.duplicates == 1
+    await sub.stop()
+
+
+async def test_restart_clears_then_applies(ctx):
+    cap = Capture("vllm-0.33.0")
+    pub = Publisher(ctx)
+    sink = RecordingSink(cap)
+    metrics = Metrics()
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=ctx, metrics=metrics))
+    await pub.wait_subscribed()
+    await publish(pub, cap, None, 0, 1, 2, 0, 1)
+    assert await sub.wait_for(lambda s: s.messages_seen == 5, TIMEOUT), sub.snapshot()
+    assert sink.log == [("apply", "w1", 0, 0), ("apply", "w1", 0, 1), ("apply", "w1", 0, 2),
+                        ("clear", "w1", 0), ("apply", "w1", 0, 0), ("apply", "w1", 0, 1)]
+    assert sub.restarts == 1 and sub.gaps == 0
+    assert metrics.registry.get_sample_value("mmroute_kv_restarts_detected_total", {"worker": "w1"}) == 1
+    await sub.stop()
+
+
+async def test_restart_with_replay_refills_from_zero(ctx):
+    """The new process's seq 0 was missed: clear, then replay from 0 of the new buffer."""
+    old, new = Capture("vllm-0.33.0"), Capture("vllm-0.33.0_bytes-hashes")
+    pub = Publisher(ctx)
+    server = ReplayServer(ctx, old)
+    sink = RecordingSink()
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=ctx))
+    await pub.wait_subscribed()
+    await publish(pub, old, server, 0, 1, 2)
+    assert await sub.wait_for(lambda s: s.messages_applied == 3, TIMEOUT)
+    server.capture, server.max_seq = new, 1  # restarted engine: new buffer, seq 0 lost
+    await publish(pub, new, None, 1)
+    assert await sub.wait_for(lambda s: s.messages_applied == 5 and s.stats.duplicates == 1, TIMEOUT), sub.snapshot()
+    assert server.requests == [0]
+    assert [e[0] for e in sink.log] == ["apply"] * 3 + ["clear", "apply", "apply"]
+    assert [e[3] for e in sink.log[4:]] == [new.batches[0], new.batches[1]]
+    assert sub.restarts == 1 and sub.stats.duplicates == 1
+    await sub.stop()
+    await server.close()
+
+
+async def test_replay_timeout_clears_and_continues(ctx):
+    cap = Capture("vllm-0.33.0")
+    pub = Publisher(ctx)
+    server = ReplayServer(ctx, cap, silent=True)
+    sink = RecordingSink(cap)
+    metrics = Metrics()
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=ctx,
+                                     metrics=metrics, replay_timeout=0.2))
+    await pub.wait_subscribed()
+    await publish(pub, cap, server, 0, 2, 3)
+    assert await sub.wait_for(lambda s: s.last_seq == 3, TIMEOUT), sub.snapshot()
+    assert sink.log == [("apply", "w1", 0, 0), ("clear", "w1", 0), ("apply", "w1", 0, 2), ("apply", "w1", 0, 3)]
+    assert server.requests == [1]
+    assert sub.stats.replay_outcomes == {"timeout": 1}
+    assert metrics.registry.get_sample_value("mmroute_kv_replays_total", {"worker": "w1", "outcome": "timeout"}) == 1
+    await sub.stop()
+    await server.close()
+
+
+async def test_garbage_is_counted_and_subscriber_keeps_working(ctx):
+    cap = Capture("vllm-0.33.0")
+    pub = Publisher(ctx)
+    sink = RecordingSink()
+    metrics = Metrics()
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=ctx, metrics=metrics))
+    await pub.wait_subscribed()
+    await pub.send([b"kv-events", b"\x00" * 8, b"\xc1not msgpack"])
+    await pub.send([b"kv-events"])
+    await pub.send([b"kv-events", b"\x00\x01", cap.live[0][2]])
+    await pub.send([b"kv-events", b"\x00" * 8, b"\x81\xa1a\x01"])  # a map, not [ts, events]
+    # a batch with one unknown event and one good one: the good one is applied
+    good = msgpack.packb([1.5, [{"type": "AllBlocksCleared"}, {"type": "NewEvent"}], 0])
+    await pub.send([b"kv-events", b"\x00" * 8, good])
+    await publish(pub, cap, None, 1)
+    assert await sub.wait_for(lambda s: s.messages_seen == 6, TIMEOUT), sub.snapshot()
+    assert sub.decode_errors == 4 and sub.messages_applied == 2 and sub.running
+    assert sink.log[0][3].skipped == 1 and len(sink.log[0][3].events) == 1
+    assert sink.log[1] == ("apply", "w1", 0, cap.batches[1])
+    assert metrics.registry.get_sample_value("mmroute_kv_decode_errors_total", {"worker": "w1"}) == 4
+    assert metrics.registry.get_sample_value(
+        "mmroute_kv_events_total", {"worker": "w1", "type": "unknown", "status": "skipped"}) == 1
+    await sub.stop()
+
+
+async def test_sink_exception_does_not_kill_the_loop(ctx):
+    cap = Capture("vllm-0.33.0")
+    pub = Publisher(ctx)
+    sink = RecordingSink(cap)
+    sink.fail_next = 1
+    metrics = Metrics()
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=ctx, metrics=metrics))
+    await pub.wait_subscribed()
+    await publish(pub, cap, None, 0, 1)
+    assert await sub.wait_for(lambda s: s.messages_seen == 2, TIMEOUT), sub.snapshot()
+    # failed batch: the rank is cleared (half-applied), the next one applies normally
+    assert sink.log == [("clear", "w1", 0), ("apply", "w1", 0, 1)]
+    assert sub.stats.sink_errors == 1 and sub.running
+    assert metrics.registry.get_sample_value(
+        "mmroute_kv_events_total", {"worker": "w1", "type": "BlockStored", "status": "error"}) == 1
+    await sub.stop()
+
+
+async def test_stop_leaves_no_tasks_and_closes_sockets(ctx):
+    pub = Publisher(ctx)
+    sink = RecordingSink()
+    before = asyncio.all_tasks()
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=ctx))
+    assert sub.running
+    await pub.wait_subscribed()
+    assert await sub.wait_for(lambda s: s.connected, TIMEOUT)
+    sock = sub._sock
+    await sub.stop()
+    assert asyncio.all_tasks() - before == set()
+    assert sock.closed and not sub.running and not sub.connected
+    await sub.stop()  # idempotent
+    with pytest.raises(ValueError, match="KVSubscriber"):
+        await started(KVSubscriber("w2", "not-an-endpoint", sink, ctx=ctx))
+    assert asyncio.all_tasks() - before == set()
+
+
+async def test_collector_routes_topics_to_workers(ctx):
+    vllm, sgl = Capture("vllm-0.33.0"), Capture("sglang-0.5.23")
+    server = ReplayServer(ctx, vllm)
+    sink = RecordingSink()
+    metrics = Metrics()
+    before = asyncio.all_tasks()
+    coll = KVCollector("tcp://127.0.0.1:*", sink, {"kv-a": "wa", b"kv-b": "wb"},
+                       replay_endpoints={"kv-a": server.endpoint}, ctx=ctx, metrics=metrics)
+    coll.start()
+    assert coll.endpoint.startswith("tcp://127.0.0.1:")
+    # Engines with a non-wildcard endpoint *connect* their PUB to us (ENGINES.md §1.2).
+    pa = Publisher(ctx, connect=coll.endpoint)
+    pb = Publisher(ctx, connect=coll.endpoint)
+    assert await pa.wait_subscribed() == b"" and await pb.wait_subscribed() == b""
+    await publish(pa, vllm, server, 0, topic=b"kv-a")
+    await publish(pb, sgl, None, 1, 2, topic=b"kv-b")
+    await pa.send(vllm.live[1], topic=b"kv-unknown")
+    server.max_seq = 2  # kv-a seq 1, 2 published, only 2 arrives live... 1 never sent live
+    await publish(pa, vllm, server, 2, topic=b"kv-a")
+    await pb.send([b"kv-b", b"\x00" * 8, b"\xc1"])
+    assert await coll.wait_for(lambda c: c.messages_seen == 6 and c.stats_for("wa").last_seq == 2, TIMEOUT), coll.snapshot()
+    assert coll.unknown_topics == 1 and coll.peers == 2
+    assert [e[3] for e in sink.log if e[1] == "wa"] == [vllm.batches[0], vllm.batches[1], vllm.batches[2]]
+    assert [e[3] for e in sink.log if e[1] == "wb"] == [sgl.batches[1], sgl.batches[2]]
+    assert all(e[0] == "apply" and e[2] == 0 for e in sink.log)
+    assert server.requests == [1]
+    assert coll.stats_for("wa").gaps == 1 and coll.stats_for("wb").decode_errors == 1
+    assert metrics.registry.get_sample_value("mmroute_kv_decode_errors_total", {"worker": "wb"}) == 1
+    await coll.stop()
+    assert asyncio.all_tasks() - before == set()
+    await server.close()
