@@ -66,8 +66,8 @@ class RecordingSink:
 class Publisher:
     """XPUB (or PUB) bound on an ephemeral port, or connected to a collector."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, kind: int = zmq.XPUB, connect: str | None = None):
-        self.sock = ctx.socket(kind)
+    def __init__(self, net: Net, kind: int = zmq.XPUB, connect: str | None = None):
+        self.sock = net.socket(kind)
         self.sock.setsockopt(zmq.LINGER, 0)
         if connect:
             self.sock.connect(connect)
@@ -90,8 +90,8 @@ class Publisher:
 class ReplayServer:
     """ROUTER replay endpoint serving a capture's reply frames for seq in [start, max_seq]."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, capture: Capture | None, *, silent: bool = False):
-        self.sock = ctx.socket(zmq.ROUTER)
+    def __init__(self, net: Net, capture: Capture | None, *, silent: bool = False):
+        self.sock = net.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
@@ -103,6 +103,7 @@ class ReplayServer:
         self.gate = asyncio.Event()
         self.gate.set()
         self.task = asyncio.get_running_loop().create_task(self._serve())
+        net.tasks.append(self.task)
 
     async def _serve(self) -> None:
         while True:
@@ -127,11 +128,33 @@ class ReplayServer:
         self.sock.close(linger=0)
 
 
+class Net:
+    """A test's own ZMQ context; owns the test-side sockets and tasks, closed at teardown."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sockets: list[zmq.asyncio.Socket] = []
+        self.tasks: list[asyncio.Task] = []
+
+    def socket(self, kind: int) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(kind)
+        self.sockets.append(sock)
+        return sock
+
+    async def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for sock in self.sockets:
+            sock.close(linger=0)
+        self.ctx.destroy(linger=0)
+
+
 @pytest.fixture
-async def ctx():
-    c = zmq.asyncio.Context()
-    yield c
-    c.destroy(linger=0)
+async def net():
+    n = Net()
+    yield n
+    await n.close()
 
 
 async def publish(pub: Publisher, cap: Capture, server: ReplayServer | None, *seqs: int, topic=None) -> None:
@@ -153,14 +176,14 @@ def applied(sink: RecordingSink, worker="w1", rank=0) -> list[int]:
 # ---- tests ---------------------------------------------------------------------------------
 
 
-async def test_slow_joiner_plain_pub_replays_from_zero(ctx):
+async def test_slow_joiner_plain_pub_replays_from_zero(net):
     """A real PUB publishes before the SUB is connected; whatever the join point, the
     sink ends with every batch exactly once, in order (join -> replay from 0)."""
     cap = Capture("vllm-0.33.0")
-    pub = Publisher(ctx, zmq.PUB)
-    server = ReplayServer(ctx, cap)
+    pub = Publisher(net, zmq.PUB)
+    server = ReplayServer(net, cap)
     sink = RecordingSink(cap)
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=ctx))
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx))
     await publish(pub, cap, server, *range(10))
     loop = asyncio.get_running_loop()
     deadline = loop.time() + TIMEOUT
@@ -175,14 +198,14 @@ async def test_slow_joiner_plain_pub_replays_from_zero(ctx):
     await server.close()
 
 
-async def test_join_after_start_replays_from_zero_sglang(ctx):
+async def test_join_after_start_replays_from_zero_sglang(net):
     """SGLang: live starts at seq 1; the startup AllBlocksCleared (seq 0) only comes by replay."""
     cap = Capture("sglang-0.5.23")
-    pub = Publisher(ctx)
-    server = ReplayServer(ctx, cap)
+    pub = Publisher(net)
+    server = ReplayServer(net, cap)
     sink = RecordingSink(cap)
     metrics = Metrics()
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=ctx, metrics=metrics))
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx, metrics=metrics))
     await pub.wait_subscribed()
     await publish(pub, cap, server, 1)
     assert await sub.wait_for(lambda s: s.messages_applied == 2, TIMEOUT), sub.snapshot()
@@ -192,7 +215,7 @@ async def test_join_after_start_replays_from_zero_sglang(ctx):
     assert applied(sink) == list(range(10)) and len(sink.log) == 10
     assert sub.stats.replay_outcomes == {"ok": 1}
     assert sub.stats.duplicates == 1 and sub.gaps == 0
-    assert sub.ready and sub.connected
+    assert await sub.wait_for(lambda s: s.ready, TIMEOUT) and sub.connected
     assert metrics.registry.get_sample_value("mmroute_kv_replays_total", {"worker": "w1", "outcome": "ok"}) == 1
     assert metrics.registry.get_sample_value(
         "mmroute_kv_events_total", {"worker": "w1", "type": "BlockStored", "status": "applied"}) == 8
@@ -202,14 +225,14 @@ async def test_join_after_start_replays_from_zero_sglang(ctx):
     await server.close()
 
 
-async def test_gap_replay_three_frame_layout_vllm023(ctx):
+async def test_gap_replay_three_frame_layout_vllm023(net):
     cap = Capture("vllm-0.23.0")
     assert all(len(f) == 3 for f in cap.replay.values())  # [b"", seq, payload]
-    pub = Publisher(ctx)
-    server = ReplayServer(ctx, cap)
+    pub = Publisher(net)
+    server = ReplayServer(net, cap)
     sink = RecordingSink(cap)
     metrics = Metrics()
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=ctx, metrics=metrics))
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx, metrics=metrics))
     await pub.wait_subscribed()
     await publish(pub, cap, server, 0)
     assert await sub.wait_for(lambda s: s.messages_applied == 1, TIMEOUT)
@@ -224,14 +247,14 @@ async def test_gap_replay_three_frame_layout_vllm023(ctx):
     await server.close()
 
 
-async def test_live_messages_during_replay_are_buffered_then_applied(ctx):
+async def test_live_messages_during_replay_are_buffered_then_applied(net):
     """vLLM 0.33 four-frame replay; live 4, 5 arrive while the replay is held back."""
     cap = Capture("vllm-0.33.0")
     assert all(len(f) == 4 for f in cap.replay.values())  # [b"", topic, seq, payload]
-    pub = Publisher(ctx)
-    server = ReplayServer(ctx, cap)
+    pub = Publisher(net)
+    server = ReplayServer(net, cap)
     sink = RecordingSink(cap)
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=ctx))
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx))
     await pub.wait_subscribed()
     await publish(pub, cap, server, 0, 1)
     assert await sub.wait_for(lambda s: s.messages_applied == 2, TIMEOUT)
@@ -250,11 +273,11 @@ async def test_live_messages_during_replay_are_buffered_then_applied(ctx):
     await server.close()
 
 
-async def test_gap_without_replay_endpoint_clears(ctx):
+async def test_gap_without_replay_endpoint_clears(net):
     cap = Capture("vllm-0.33.0")
-    pub = Publisher(ctx)
+    pub = Publisher(net)
     sink = RecordingSink(cap)
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=ctx))
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=net.ctx))
     await pub.wait_subscribed()
     await publish(pub, cap, None, 0, 1, 3, 4)
     assert await sub.wait_for(lambda s: s.last_seq == 4, TIMEOUT), sub.snapshot()
@@ -264,11 +287,11 @@ async def test_gap_without_replay_endpoint_clears(ctx):
     await sub.stop()
 
 
-async def test_first_message_without_replay_is_applied(ctx):
+async def test_first_message_without_replay_is_applied(net):
     cap = Capture("sglang-0.5.22")
-    pub = Publisher(ctx)
+    pub = Publisher(net)
     sink = RecordingSink(cap)
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=ctx))
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=net.ctx))
     await pub.wait_subscribed()
     await publish(pub, cap, None, 2, 3, 3, 4)  # joined late, and one duplicate
     assert await sub.wait_for(lambda s: s.messages_seen == 4, TIMEOUT), sub.snapshot()
@@ -277,12 +300,12 @@ async def test_first_message_without_replay_is_applied(ctx):
     await sub.stop()
 
 
-async def test_restart_clears_then_applies(ctx):
+async def test_restart_clears_then_applies(net):
     cap = Capture("vllm-0.33.0")
-    pub = Publisher(ctx)
+    pub = Publisher(net)
     sink = RecordingSink(cap)
     metrics = Metrics()
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=ctx, metrics=metrics))
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=net.ctx, metrics=metrics))
     await pub.wait_subscribed()
     await publish(pub, cap, None, 0, 1, 2, 0, 1)
     assert await sub.wait_for(lambda s: s.messages_seen == 5, TIMEOUT), sub.snapshot()
@@ -293,13 +316,13 @@ async def test_restart_clears_then_applies(ctx):
     await sub.stop()
 
 
-async def test_restart_with_replay_refills_from_zero(ctx):
+async def test_restart_with_replay_refills_from_zero(net):
     """The new process's seq 0 was missed: clear, then replay from 0 of the new buffer."""
     old, new = Capture("vllm-0.33.0"), Capture("vllm-0.33.0_bytes-hashes")
-    pub = Publisher(ctx)
-    server = ReplayServer(ctx, old)
+    pub = Publisher(net)
+    server = ReplayServer(net, old)
     sink = RecordingSink()
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=ctx))
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx))
     await pub.wait_subscribed()
     await publish(pub, old, server, 0, 1, 2)
     assert await sub.wait_for(lambda s: s.messages_applied == 3, TIMEOUT)
@@ -314,13 +337,13 @@ async def test_restart_with_replay_refills_from_zero(ctx):
     await server.close()
 
 
-async def test_replay_timeout_clears_and_continues(ctx):
+async def test_replay_timeout_clears_and_continues(net):
     cap = Capture("vllm-0.33.0")
-    pub = Publisher(ctx)
-    server = ReplayServer(ctx, cap, silent=True)
+    pub = Publisher(net)
+    server = ReplayServer(net, cap, silent=True)
     sink = RecordingSink(cap)
     metrics = Metrics()
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=ctx,
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx,
                                      metrics=metrics, replay_timeout=0.2))
     await pub.wait_subscribed()
     await publish(pub, cap, server, 0, 2, 3)
@@ -333,12 +356,12 @@ async def test_replay_timeout_clears_and_continues(ctx):
     await server.close()
 
 
-async def test_garbage_is_counted_and_subscriber_keeps_working(ctx):
+async def test_garbage_is_counted_and_subscriber_keeps_working(net):
     cap = Capture("vllm-0.33.0")
-    pub = Publisher(ctx)
+    pub = Publisher(net)
     sink = RecordingSink()
     metrics = Metrics()
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=ctx, metrics=metrics))
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=net.ctx, metrics=metrics))
     await pub.wait_subscribed()
     await pub.send([b"kv-events", b"\x00" * 8, b"\xc1not msgpack"])
     await pub.send([b"kv-events"])
@@ -358,13 +381,13 @@ async def test_garbage_is_counted_and_subscriber_keeps_working(ctx):
     await sub.stop()
 
 
-async def test_sink_exception_does_not_kill_the_loop(ctx):
+async def test_sink_exception_does_not_kill_the_loop(net):
     cap = Capture("vllm-0.33.0")
-    pub = Publisher(ctx)
+    pub = Publisher(net)
     sink = RecordingSink(cap)
     sink.fail_next = 1
     metrics = Metrics()
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=ctx, metrics=metrics))
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=net.ctx, metrics=metrics))
     await pub.wait_subscribed()
     await publish(pub, cap, None, 0, 1)
     assert await sub.wait_for(lambda s: s.messages_seen == 2, TIMEOUT), sub.snapshot()
@@ -376,11 +399,11 @@ async def test_sink_exception_does_not_kill_the_loop(ctx):
     await sub.stop()
 
 
-async def test_stop_leaves_no_tasks_and_closes_sockets(ctx):
-    pub = Publisher(ctx)
+async def test_stop_leaves_no_tasks_and_closes_sockets(net):
+    pub = Publisher(net)
     sink = RecordingSink()
     before = asyncio.all_tasks()
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=ctx))
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=net.ctx))
     assert sub.running
     await pub.wait_subscribed()
     assert await sub.wait_for(lambda s: s.connected, TIMEOUT)
@@ -390,23 +413,23 @@ async def test_stop_leaves_no_tasks_and_closes_sockets(ctx):
     assert sock.closed and not sub.running and not sub.connected
     await sub.stop()  # idempotent
     with pytest.raises(ValueError, match="KVSubscriber"):
-        await started(KVSubscriber("w2", "not-an-endpoint", sink, ctx=ctx))
+        await started(KVSubscriber("w2", "not-an-endpoint", sink, ctx=net.ctx))
     assert asyncio.all_tasks() - before == set()
 
 
-async def test_collector_routes_topics_to_workers(ctx):
+async def test_collector_routes_topics_to_workers(net):
     vllm, sgl = Capture("vllm-0.33.0"), Capture("sglang-0.5.23")
-    server = ReplayServer(ctx, vllm)
+    server = ReplayServer(net, vllm)
     sink = RecordingSink()
     metrics = Metrics()
     before = asyncio.all_tasks()
     coll = KVCollector("tcp://127.0.0.1:*", sink, {"kv-a": "wa", b"kv-b": "wb"},
-                       replay_endpoints={"kv-a": server.endpoint}, ctx=ctx, metrics=metrics)
+                       replay_endpoints={"kv-a": server.endpoint}, ctx=net.ctx, metrics=metrics)
     coll.start()
     assert coll.endpoint.startswith("tcp://127.0.0.1:")
     # Engines with a non-wildcard endpoint *connect* their PUB to us (ENGINES.md §1.2).
-    pa = Publisher(ctx, connect=coll.endpoint)
-    pb = Publisher(ctx, connect=coll.endpoint)
+    pa = Publisher(net, connect=coll.endpoint)
+    pb = Publisher(net, connect=coll.endpoint)
     assert await pa.wait_subscribed() == b"" and await pb.wait_subscribed() == b""
     await publish(pa, vllm, server, 0, topic=b"kv-a")
     await publish(pb, sgl, None, 1, 2, topic=b"kv-b")
@@ -424,4 +447,44 @@ async def test_collector_routes_topics_to_workers(ctx):
     assert metrics.registry.get_sample_value("mmroute_kv_decode_errors_total", {"worker": "wb"}) == 1
     await coll.stop()
     assert asyncio.all_tasks() - before == set()
+    await server.close()
+
+
+async def test_seq_tracked_per_dp_rank_with_configured_fallback(net):
+    pub = Publisher(net)
+    sink = RecordingSink()
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=net.ctx, dp_rank=3))
+
+    def frames(seq: int, *rank: int) -> list[bytes]:
+        return [b"", seq.to_bytes(8, "big"), msgpack.packb([float(seq), [{"type": "AllBlocksCleared"}], *rank])]
+
+    await pub.wait_subscribed()
+    for f in (frames(0), frames(1), frames(0, 1), frames(2, 3), frames(1, 1)):
+        await pub.send(f)
+    assert await sub.wait_for(lambda s: s.messages_seen == 5, TIMEOUT), sub.snapshot()
+    # no rank in the batch (old SGLang) -> configured rank 3; rank 1 has its own seq space
+    assert [(e[0], e[2], e[3].ts) for e in sink.log] == [
+        ("apply", 3, 0.0), ("apply", 3, 1.0), ("apply", 1, 0.0), ("apply", 3, 2.0), ("apply", 1, 1.0)]
+    assert sub.restarts == 0 and sub.gaps == 0
+    assert sub.stats.seq_by_rank == {3: 2, 1: 1}
+    await sub.stop()
+
+
+async def test_replay_older_than_buffer_is_partial_and_clears(net):
+    """ENGINES.md §1.6: a start older than the buffer is not an error; the hole remains."""
+    cap = Capture("vllm-0.33.0")
+    pub = Publisher(net)
+    server = ReplayServer(net, cap)
+    del cap.replay[1], cap.replay[2]  # the engine's buffer already dropped them
+    sink = RecordingSink(cap)
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx))
+    await pub.wait_subscribed()
+    await publish(pub, cap, server, 0)
+    server.max_seq = 4
+    await publish(pub, cap, server, 4)
+    assert await sub.wait_for(lambda s: s.messages_seen == 2 and s.stats.duplicates == 1, TIMEOUT), sub.snapshot()
+    assert sink.log == [("apply", "w1", 0, 0), ("clear", "w1", 0), ("apply", "w1", 0, 3), ("apply", "w1", 0, 4)]
+    assert server.requests == [1]
+    assert sub.stats.replay_outcomes == {"partial": 1} and sub.gaps == 1
+    await sub.stop()
     await server.close()

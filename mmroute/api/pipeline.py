@@ -48,7 +48,7 @@ class Prepared:
 
     @property
     def prompt_tokens(self) -> int:
-        return len(self.prompt.token_ids) if self.prompt is not None else 0
+        return self.prompt.length if self.prompt is not None else 0
 
     @property
     def has_mm(self) -> bool:

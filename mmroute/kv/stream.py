@@ -117,7 +117,9 @@ class WorkerStream:
         self.stats.decode_errors += 1
         if self.metrics is not None:
             self.metrics.kv_decode_errors.labels(self.worker_id).inc()
-        log.warning("kv[%s]: undecodable message: %s", self.worker_id, err)
+        n = self.stats.decode_errors
+        if n & (n - 1) == 0:  # 1st, 2nd, 4th, ...: a garbage stream must not flood the log
+            log.warning("kv[%s]: undecodable message (%d so far): %s", self.worker_id, n, err)
         self._on_change()
 
     async def on_live(self, msg: KVMessage) -> None:

@@ -74,13 +74,16 @@ class _ZmqConsumer:
         # Notice a dead peer (half-open TCP) instead of waiting forever.
         sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
         sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, 30)
+        # Monitor before connect/bind, or the first CONNECTED/ACCEPTED event is missed.
+        mon = sock.get_monitor_socket(_MONITOR_EVENTS)
         try:
             self._setup(sock)
         except (zmq.ZMQError, ValueError) as e:
+            sock.disable_monitor()
+            mon.close(linger=0)
             sock.close(linger=0)
             raise ValueError(f"{self!r}: {e}") from None
-        self._sock = sock
-        self._mon = sock.get_monitor_socket(_MONITOR_EVENTS)
+        self._sock, self._mon = sock, mon
         loop = asyncio.get_running_loop()
         for coro in (self._recv_loop(), self._monitor_loop()):
             task = loop.create_task(coro, name=f"{self!r}")

@@ -98,8 +98,9 @@ def build_generate_body(
     """The ``/generate`` body for an OpenAI chat body rendered to ``prompt_text``.
 
     ``max_completion_tokens`` beats ``max_tokens`` (vLLM's rule, ENGINES.md §2.5); with
-    neither, ``default_max_new_tokens`` (e.g. context left) or null, which SGLang treats
-    as "up to the context length" (its own default would be 128). Raises a 400
+    neither, ``default_max_new_tokens`` or an explicit null: SGLang's scheduler reads null
+    as "up to the context length" (``managers/scheduler.py::init_req_max_new_tokens``),
+    while leaving the field out would give SamplingParams' default of 128. Raises a 400
     ``RouterError`` for values /generate cannot honour.
     """
     n = chat_body.get("n")
@@ -170,11 +171,14 @@ class TextDeltas:
     """Turns SGLang's streamed ``text`` into deltas that never show a broken character.
 
     Cumulative mode (SGLang's default): ``pos`` counts the characters of the cumulative
-    text already sent. A trailing U+FFFD (an incomplete multi-byte character) is held back
-    until a later chunk replaces it, or emitted at the end if it was real. An update that
-    does not extend what was sent (the engine revised earlier text) can not be retracted:
-    it is logged and streaming continues after the characters already sent.
-    Incremental mode: the texts are deltas; only the held-back tail is carried over.
+    text already sent. A trailing U+FFFD (an incomplete multi-byte character) is held back,
+    together with the one character before it (a detokenizer may merge it with the bytes
+    still to come), until a later chunk resolves it; at the end everything left is sent.
+    An update that does not extend what was sent (the engine revised text already
+    streamed) cannot be retracted: it is logged and streaming continues after the
+    characters already sent, so nothing is duplicated or lost in length.
+    Incremental mode (``--incremental-streaming-output``): the texts are deltas; only a
+    held-back U+FFFD tail is carried over.
     """
 
     __slots__ = ("incremental", "pos", "sent_prefix", "pending", "revised")
@@ -200,7 +204,7 @@ class TextDeltas:
         if not final:
             keep = _trailing_replacements(new)
             if keep:
-                new = new[: len(new) - keep]
+                new = new[: max(0, len(new) - keep - 1)]
         self.pos += len(new)
         self.sent_prefix = text[: self.pos]
         return new

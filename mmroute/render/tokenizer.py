@@ -190,7 +190,7 @@ class ModelTokenizer:
         special_tokens: dict[str, Any],
         prefix_ids: tuple[int, ...],
         suffix_ids: tuple[int, ...],
-        cache_max_ids: int = 8_000_000,
+        cache_max_ids: int = 2_000_000,  # ~70 MB worst case (tuple slots + int objects)
         self_check: bool = True,
     ):
         self.tokenizer = tokenizer

@@ -15,7 +15,8 @@ and eviction) as observed in 0.5.22/0.5.23 (``tests/fixtures/kv_events/sglang-*`
 * Eviction pops LRU leaves (unlocked, childless), a parent becoming such a leaf joins
   the heap; one coalesced ``BlockRemoved`` per eviction call. Extend allocation evicts
   ``extend_tokens + P`` tokens when fewer are free (the per-request page over-estimate of
-  ``alloc_paged_token_slots_extend``), each decode step ``P``.
+  ``alloc_paged_token_slots_extend``); a decode step evicts only when it needs a page
+  and none is free (what the 0.5.23 capture shows).
 * ``flush_cache`` (and start-up) publish ``AllBlocksCleared``.
 
 Hashes: ``sglang_hash`` (sha256 page chain, int64 of the high 64 bits). Single-threaded.

@@ -134,6 +134,13 @@ class _Unreachable(Exception):
     """The worker did not answer at all (connection refused, timeout, reset)."""
 
 
+class _Slow(Exception):
+    """Connected, but the answer did not come within the read timeout."""
+
+
+_SOCKET_READ_TIMEOUT = getattr(aiohttp, "SocketTimeoutError", ())
+
+
 class WorkerRegistry:
     """All workers of one router; owns the detection and health tasks."""
 
@@ -146,6 +153,7 @@ class WorkerRegistry:
         health_interval: float = 2.0,
         allow_page_size_1: bool = False,
         probe_timeout: float = 5.0,
+        health_read_timeout: float = 30.0,
     ) -> None:
         self.workers: dict[str, Worker] = {}
         for spec in specs:
@@ -159,6 +167,7 @@ class WorkerRegistry:
         self.health_interval = health_interval
         self.allow_page_size_1 = allow_page_size_1
         self.probe_timeout = probe_timeout
+        self.health_read_timeout = health_read_timeout
         self.on_change: list[ChangeCallback] = []
         self._tasks: list[asyncio.Task] = []
         self._cb_tasks: set[asyncio.Task] = set()
@@ -285,6 +294,9 @@ class WorkerRegistry:
                 w.error = f"unreachable: {exc}"
                 self._set_health(w, False)
                 return
+            if status is None:
+                log.debug("worker %s: /health is slow; keeping its state", w.id)
+                return
             if status != 200:
                 w.error = f"/health answered {status}"
                 self._set_health(w, False)
@@ -325,13 +337,15 @@ class WorkerRegistry:
 
     # ---- HTTP probes ----------------------------------------------------------------------
 
-    async def _get(self, w: Worker, path: str) -> tuple[int, bytes]:
+    async def _get(self, w: Worker, path: str, timeout: aiohttp.ClientTimeout | None = None) -> tuple[int, bytes]:
         assert self._session is not None, "WorkerRegistry.start() was not called"
         try:
             async with self._session.get(
-                w.url + path, timeout=aiohttp.ClientTimeout(total=self.probe_timeout)
+                w.url + path, timeout=timeout or aiohttp.ClientTimeout(total=self.probe_timeout)
             ) as resp:
                 return resp.status, await resp.read()
+        except _SOCKET_READ_TIMEOUT as exc:
+            raise _Slow(str(exc)) from exc
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             raise _Unreachable(f"GET {path}: {type(exc).__name__}: {exc}".rstrip(": ")) from exc
 
@@ -344,8 +358,14 @@ class WorkerRegistry:
         except ValueError:
             return status, None
 
-    async def _health_status(self, w: Worker) -> int:
-        status, _ = await self._get(w, "/health")
+    async def _health_status(self, w: Worker) -> int | None:
+        """/health status; None when the worker accepted the connection but is slow to
+        answer (SGLang's /health runs a 1-token generation, ENGINES.md §3.5): busy, not down."""
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.probe_timeout, sock_read=self.health_read_timeout)
+        try:
+            status, _ = await self._get(w, "/health", timeout)
+        except _Slow:
+            return None
         return status
 
     async def _scrape_metrics(self, w: Worker) -> None:
