@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     from mmroute.sim import add_arguments
 
     add_arguments(p)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_sim_worker)
 
     p = sub.add_parser("bench", help="routing-overhead benchmark (see docs/performance.md)")

@@ -49,6 +49,7 @@ class Fleet:
     port: int
     session: aiohttp.ClientSession
     names: list[str] = field(default_factory=list)
+    own_sims: bool = False  # stop the worker processes on close
 
     @property
     def url(self) -> str:
@@ -116,19 +117,20 @@ class Fleet:
     async def close(self) -> None:
         await self.session.close()
         await self.runner.cleanup()
-        for s in self.sims:
-            s.stop()
+        if self.own_sims:
+            for s in self.sims:
+                s.stop()
 
 
 async def start_fleet(sims: list[SimProcess], model: str, *, names: list[str] | None = None,
-                      replay: bool = True, **cfg: Any) -> Fleet:
+                      replay: bool = True, own_sims: bool = False, **cfg: Any) -> Fleet:
     names = names or [f"w{i}" for i in range(len(sims))]
     config = RouterConfig(model=model, served_model_name=["m"], port=0,
                           workers=[WorkerSpec.parse(s.spec(name=n, replay=replay)) for s, n in zip(sims, names)],
                           health_interval=0.5, **cfg)
     ctx = AppContext(config)
     runner, port = await start_background(config, ctx)
-    fleet = Fleet(sims, ctx, runner, port, aiohttp.ClientSession(), names)
+    fleet = Fleet(sims, ctx, runner, port, aiohttp.ClientSession(), names, own_sims)
     try:
         await fleet.warm_up()
     except BaseException:

@@ -38,6 +38,7 @@ class SimConfig:
     block_size: int = 16
     num_blocks: int = 4096
     kv_endpoint: str = "tcp://127.0.0.1:0"
+    kv_bind: bool = False  # bind the KV endpoint even without "*" (a fixed loopback port)
     replay_endpoint: str | None = "tcp://127.0.0.1:0"
     topic: str = ""
     wire_format: str = "map"
@@ -87,6 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="KV-event PUB endpoint: binds for '*', '::', ipc://, inproc:// or port 0, else connects")
     g.add_argument("--replay-endpoint", default="tcp://127.0.0.1:0",
                    help="replay ROUTER endpoint (always binds); 'none' disables replay")
+    g.add_argument("--kv-bind", action="store_true",
+                   help="bind --kv-endpoint even without '*' (e.g. a fixed 127.0.0.1 port across restarts)")
     g.add_argument("--topic", default="", help="KV-event topic")
     g.add_argument("--wire-format", choices=WIRE_FORMATS, default="map",
                    help="event encoding: map (vLLM 0.24-0.33 / SGLang >= 0.5.20) or array (vLLM 0.23: positional, "
@@ -127,6 +130,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_endpoint=args.kv_endpoint,
+        kv_bind=getattr(args, "kv_bind", False),
         replay_endpoint=replay,
         topic=args.topic,
         wire_format=args.wire_format,

@@ -57,6 +57,7 @@ class PublisherConfig:
     buffer_steps: int = 10_000
     hwm: int = 100_000
     max_queue_size: int = 100_000
+    force_bind: bool = False  # bind even where vLLM's rule would connect
 
 
 class EventPublisher:
@@ -129,7 +130,7 @@ class EventPublisher:
             pub = self._ctx.socket(zmq.PUB)
             pub.setsockopt(zmq.SNDHWM, self.config.hwm)
             pub.setsockopt(zmq.LINGER, 0)
-            if should_bind(self.config.endpoint):
+            if self.config.force_bind or should_bind(self.config.endpoint):
                 self.bound_endpoint = _bind(pub, self.config.endpoint)
             else:
                 pub.connect(self.config.endpoint)

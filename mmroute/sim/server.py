@@ -137,6 +137,7 @@ class SimWorker:
         self.publisher = EventPublisher(
             PublisherConfig(
                 endpoint=config.kv_endpoint,
+                force_bind=config.kv_bind,
                 replay_endpoint=config.replay_endpoint,
                 topic=config.topic,
                 replay_layout=config.replay_layout,
