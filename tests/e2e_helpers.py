@@ -123,10 +123,12 @@ class Fleet:
 
 
 async def start_fleet(sims: list[SimProcess], model: str, *, names: list[str] | None = None,
-                      replay: bool = True, own_sims: bool = False, **cfg: Any) -> Fleet:
+                      replay: bool = True, own_sims: bool = False, bare_specs: bool = False, **cfg: Any) -> Fleet:
+    """``bare_specs``: only URL and name, the rest discovered from the worker (SGLang)."""
     names = names or [f"w{i}" for i in range(len(sims))]
+    specs = [f"{s.url},name={n}" if bare_specs else s.spec(name=n, replay=replay) for s, n in zip(sims, names)]
     config = RouterConfig(model=model, served_model_name=["m"], port=0,
-                          workers=[WorkerSpec.parse(s.spec(name=n, replay=replay)) for s, n in zip(sims, names)],
+                          workers=[WorkerSpec.parse(s) for s in specs],
                           health_interval=0.5, **cfg)
     ctx = AppContext(config)
     runner, port = await start_background(config, ctx)

@@ -185,11 +185,12 @@ class AppContext:
                 return w.page_size
         return DEFAULT_BLOCK_SIZE
 
-    async def resolve_images(self, urls: list[str]) -> list[ImageRef | None]:
-        """Identify and size every image; a bad image is a 400, an unreachable one makes
-        the request fall back to text-prefix routing (the worker may still reach it)."""
+    async def resolve_images(self, urls: list[str]) -> list[ImageRef | RouterError]:
+        """Identify and size every image. A bad image is a 400 (raised); one the router
+        cannot fetch comes back as its error, and the request falls back to text-prefix
+        routing (the worker may still reach it)."""
 
-        async def one(url: str) -> ImageRef | None:
+        async def one(url: str) -> ImageRef | RouterError:
             try:
                 ref = await resolve_image(url, self.fetcher, self.config.media_max_pixels)
                 self.metrics.media_fetch.labels("ok").inc()
@@ -198,7 +199,7 @@ class AppContext:
                 if exc.code in _SOFT_MEDIA_CODES:
                     self.metrics.media_fetch.labels(str(exc.code)).inc()
                     log.info("image not resolved (%s): routing on the text prefix", exc.message)
-                    return None
+                    return exc
                 self.metrics.media_fetch.labels("rejected").inc()
                 raise
 

@@ -153,15 +153,20 @@ async def prepare(ctx: "AppContext", endpoint: str, body: Any) -> Prepared:
             raise bad_request("'messages' must be a non-empty list", param="messages")
         parts = ctx.renderer.image_parts(messages)
         prep.image_urls = [_part_url(p) for p in parts]
+        soft_error: str | None = None
         if parts:
             t1 = time.perf_counter()
-            prep.images = await ctx.resolve_images(prep.image_urls)
+            resolved = await ctx.resolve_images(prep.image_urls)
             ctx.metrics.observe_stage("media", time.perf_counter() - t1)
+            prep.images = [r if isinstance(r, ImageRef) else None for r in resolved]
+            soft_error = next((str(r.code) for r in resolved if isinstance(r, RouterError)), None)
         if ctx.config.tokenize == "remote":
             prep.prompt = await ctx.remote_tokens(prep)
         else:
             inputs = [img.to_input() if img is not None else None for img in prep.images]
             prep.prompt = ctx.renderer.render_chat(body, inputs)
+            if soft_error and prep.prompt.fallback:
+                prep.prompt.fallback = soft_error  # say *why* the image was not resolved
     elif endpoint == "completions":
         if "prompt" not in body:
             raise bad_request("'prompt' is required", param="prompt")

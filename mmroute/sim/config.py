@@ -35,6 +35,7 @@ class SimConfig:
     port: int = 0
     backend: str = "vllm"
     sglang_version: str = DEFAULT_SGLANG_VERSION
+    ignore_mm_hashes: bool = False  # emulate a build that drops /generate mm_hashes (before 0.5.18)
     block_size: int = 16
     num_blocks: int = 4096
     kv_endpoint: str = "tcp://127.0.0.1:0"
@@ -79,6 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=0, help="HTTP port; 0 = ephemeral (see the SIM_READY line)")
     g.add_argument("--backend", choices=BACKENDS, default="vllm", help="engine to emulate")
+    g.add_argument("--sglang-ignore-mm-hashes", dest="ignore_mm_hashes", action="store_true",
+                   help="emulate an SGLang build that ignores /generate mm_hashes (releases before 0.5.18 do)")
     g.add_argument("--sglang-version", default=DEFAULT_SGLANG_VERSION,
                    help="SGLang release to emulate (>= 0.5.23: wide pad values, else legacy)")
     g.add_argument("--block-size", type=int, default=16, help="KV block size (SGLang: page size)")
@@ -127,6 +130,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         port=args.port,
         backend=args.backend,
         sglang_version=args.sglang_version,
+        ignore_mm_hashes=getattr(args, "ignore_mm_hashes", False),
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_endpoint=args.kv_endpoint,

@@ -8,6 +8,7 @@ the *cumulative* text and ids (SGLang's default), ``meta_info.cached_tokens`` al
 
 from __future__ import annotations
 
+import re
 import time
 from typing import TYPE_CHECKING, Any, Hashable, Mapping
 from urllib.parse import urlsplit
@@ -63,6 +64,12 @@ class _SglangApi:
     def version(self) -> str:
         return self.w.config.sglang_version
 
+    @property
+    def _ignores_mm_hashes(self) -> bool:
+        # mm_hashes exist from SGLang 0.5.18 (PR #25300); older builds drop the field.
+        v = tuple(int(x) for x in re.findall(r"\d+", self.version)[:3])
+        return self.w.config.ignore_mm_hashes or v < (0, 5, 18)
+
     async def _admit(self, seq: SglangSeq, n: int) -> int:
         try:
             return await self.w.runner.admit(seq, n)
@@ -102,7 +109,7 @@ class _SglangApi:
             raise RouterError(400, "'max_new_tokens' must be a positive integer")
 
         refs = await self.proc.sglang_images(body.get("image_data"))
-        hashes = self.proc.sglang_hashes(refs, body.get("mm_hashes"))
+        hashes = self.proc.sglang_hashes(refs, None if self._ignores_mm_hashes else body.get("mm_hashes"))
         ids = self.proc.renderer.tokenizer.encode(text, True) if text is not None else list(input_ids)
         images = [ImageInput(f"{h:016x}", r.width, r.height) for h, r in zip(hashes, refs)]
         expanded, items = self.proc.expand(ids, text, images)
