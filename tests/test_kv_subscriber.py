@@ -52,11 +52,14 @@ class RecordingSink:
         self.log: list[tuple] = []
         self.capture = capture
         self.fail_next = 0
+        self.on_apply = None  # called inside apply, like the index's on_unknown_parent
 
     def apply(self, worker_id: str, dp_rank: int, batch: EventBatch) -> None:
         if self.fail_next:
             self.fail_next -= 1
             raise RuntimeError("sink exploded")
+        if self.on_apply is not None:
+            self.on_apply(batch)
         self.log.append(("apply", worker_id, dp_rank, self.capture.seq_of(batch) if self.capture else batch))
 
     def clear(self, worker_id: str, dp_rank: int | None) -> None:
@@ -75,6 +78,24 @@ class Publisher:
         else:
             port = self.sock.bind_to_random_port("tcp://127.0.0.1")
             self.endpoint = f"tcp://127.0.0.1:{port}"
+
+    async def restart(self, net: Net) -> None:
+        """Close the socket and bind a new XPUB on the same endpoint (a publisher that went
+        away and came back: a new process, or the same one after a network blip)."""
+        self.sock.close(linger=0)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + TIMEOUT
+        while True:
+            sock = net.socket(zmq.XPUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            try:
+                sock.bind(self.endpoint)
+                break
+            except zmq.ZMQError as e:  # the old listener is torn down asynchronously
+                sock.close(linger=0)
+                assert e.errno == zmq.EADDRINUSE and loop.time() < deadline, e
+                await asyncio.sleep(0.01)  # retry after an explicit error, not a sync point
+        self.sock = sock
 
     async def wait_subscribed(self) -> bytes:
         msg = await asyncio.wait_for(self.sock.recv(), TIMEOUT)
@@ -240,7 +261,7 @@ async def test_gap_replay_three_frame_layout_vllm023(net):
     await publish(pub, cap, server, 2, 3)
     assert await sub.wait_for(lambda s: s.messages_seen == 3 and s.last_seq == 3, TIMEOUT), sub.snapshot()
     assert sink.log == [("apply", "w1", 0, s) for s in range(4)]
-    assert server.requests == [1]
+    assert server.requests == [0]  # from the last applied seq: its digest is checked
     assert sub.gaps == 1 and sub.stats.replay_outcomes == {"ok": 1} and sub.stats.clears == 0
     assert metrics.registry.get_sample_value("mmroute_kv_seq_gaps_total", {"worker": "w1"}) == 1
     await sub.stop()
@@ -262,7 +283,7 @@ async def test_live_messages_during_replay_are_buffered_then_applied(net):
     server.max_seq = 2  # seq 2 lost
     await publish(pub, cap, server, 3)
     await asyncio.wait_for(server.got_request.wait(), TIMEOUT)
-    assert server.requests == [2]
+    assert server.requests == [1]  # from the last applied seq: its digest is checked
     await publish(pub, cap, server, 4, 5)  # replay snapshot ends at 3: these come live
     server.gate.set()
     assert await sub.wait_for(lambda s: s.messages_seen == 5 and s.stats.duplicates == 1, TIMEOUT), sub.snapshot()
@@ -349,7 +370,7 @@ async def test_replay_timeout_clears_and_continues(net):
     await publish(pub, cap, server, 0, 2, 3)
     assert await sub.wait_for(lambda s: s.last_seq == 3, TIMEOUT), sub.snapshot()
     assert sink.log == [("apply", "w1", 0, 0), ("clear", "w1", 0), ("apply", "w1", 0, 2), ("apply", "w1", 0, 3)]
-    assert server.requests == [1]
+    assert server.requests == [0]  # from the last applied seq: its digest is checked
     assert sub.stats.replay_outcomes == {"timeout": 1}
     assert metrics.registry.get_sample_value("mmroute_kv_replays_total", {"worker": "w1", "outcome": "timeout"}) == 1
     await sub.stop()
@@ -442,7 +463,7 @@ async def test_collector_routes_topics_to_workers(net):
     assert [e[3] for e in sink.log if e[1] == "wa"] == [vllm.batches[0], vllm.batches[1], vllm.batches[2]]
     assert [e[3] for e in sink.log if e[1] == "wb"] == [sgl.batches[1], sgl.batches[2]]
     assert all(e[0] == "apply" and e[2] == 0 for e in sink.log)
-    assert server.requests == [1]
+    assert server.requests == [0]  # from the last applied seq: its digest is checked
     assert coll.stats_for("wa").gaps == 1 and coll.stats_for("wb").decode_errors == 1
     assert metrics.registry.get_sample_value("mmroute_kv_decode_errors_total", {"worker": "wb"}) == 1
     await coll.stop()
@@ -475,7 +496,7 @@ async def test_replay_older_than_buffer_is_partial_and_clears(net):
     cap = Capture("vllm-0.33.0")
     pub = Publisher(net)
     server = ReplayServer(net, cap)
-    del cap.replay[1], cap.replay[2]  # the engine's buffer already dropped them
+    del cap.replay[0], cap.replay[1], cap.replay[2]  # the engine's buffer already dropped them
     sink = RecordingSink(cap)
     sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx))
     await pub.wait_subscribed()
@@ -484,7 +505,252 @@ async def test_replay_older_than_buffer_is_partial_and_clears(net):
     await publish(pub, cap, server, 4)
     assert await sub.wait_for(lambda s: s.messages_seen == 2 and s.stats.duplicates == 1, TIMEOUT), sub.snapshot()
     assert sink.log == [("apply", "w1", 0, 0), ("clear", "w1", 0), ("apply", "w1", 0, 3), ("apply", "w1", 0, 4)]
-    assert server.requests == [1]
-    assert sub.stats.replay_outcomes == {"partial": 1} and sub.gaps == 1
+    assert server.requests == [0]  # the anchor (last applied) is gone too: not a restart
+    assert sub.stats.replay_outcomes == {"partial": 1} and sub.gaps == 1 and sub.restarts == 0
     await sub.stop()
+    await server.close()
+
+
+# ---- restart detection: payload digests, reconnect verification, resync ---------------------
+
+
+async def test_restart_first_seen_at_last_seq_is_detected_by_digest(net):
+    """(a) The new process's seq 0, 1 are lost; its seq 2 collides with the last applied
+    seq 2 of the old one. A different payload: restart, clear, replay the new buffer."""
+    old, new = Capture("vllm-0.33.0"), Capture("vllm-0.33.0_bytes-hashes")
+    pub = Publisher(net)
+    server = ReplayServer(net, old)
+    sink = RecordingSink()
+    metrics = Metrics()
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx,
+                                     metrics=metrics))
+    await pub.wait_subscribed()
+    await publish(pub, old, server, 0, 1, 2)
+    assert await sub.wait_for(lambda s: s.messages_applied == 3, TIMEOUT)
+    server.capture, server.max_seq = new, 2
+    await publish(pub, new, None, 2)
+    assert await sub.wait_for(lambda s: s.messages_seen == 4 and s.stats.duplicates == 1, TIMEOUT), sub.snapshot()
+    assert sink.log == [("apply", "w1", 0, old.batches[s]) for s in range(3)] + [("clear", "w1", 0)] + [
+        ("apply", "w1", 0, new.batches[s]) for s in range(3)]
+    assert server.requests == [0]
+    assert sub.restarts == 1 and sub.stats.duplicates == 1 and sub.gaps == 0  # live 2: already replayed
+    assert sub.stats.replay_outcomes == {"ok": 1}
+    assert metrics.registry.get_sample_value("mmroute_kv_restarts_detected_total", {"worker": "w1"}) == 1
+    await sub.stop()
+    await server.close()
+
+
+async def test_restart_at_last_seq_without_replay_clears_and_applies(net):
+    old, new = Capture("vllm-0.33.0"), Capture("vllm-0.33.0_bytes-hashes")
+    pub = Publisher(net)
+    sink = RecordingSink()
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=net.ctx))
+    await pub.wait_subscribed()
+    await publish(pub, old, None, 0, 1)
+    await publish(pub, new, None, 1, 2)
+    assert await sub.wait_for(lambda s: s.messages_seen == 4, TIMEOUT), sub.snapshot()
+    assert sink.log == [("apply", "w1", 0, old.batches[0]), ("apply", "w1", 0, old.batches[1]), ("clear", "w1", 0),
+                        ("apply", "w1", 0, new.batches[1]), ("apply", "w1", 0, new.batches[2])]
+    assert sub.restarts == 1 and sub.stats.duplicates == 0 and sub.gaps == 0
+    await sub.stop()
+
+
+async def test_genuine_duplicate_is_ignored(net):
+    """(e) The same payload twice under one seq is a duplicate, not a restart."""
+    cap = Capture("vllm-0.33.0")
+    pub = Publisher(net)
+    server = ReplayServer(net, cap)
+    sink = RecordingSink(cap)
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx))
+    await pub.wait_subscribed()
+    await publish(pub, cap, server, 0, 1, 1, 2, 2)
+    assert await sub.wait_for(lambda s: s.messages_seen == 5, TIMEOUT), sub.snapshot()
+    assert sink.log == [("apply", "w1", 0, s) for s in range(3)]
+    assert sub.stats.duplicates == 2 and sub.restarts == 0 and sub.stats.clears == 0
+    assert server.requests == []
+    await sub.stop()
+    await server.close()
+
+
+async def test_same_process_reconnect_replays_missed_messages(net):
+    """(b) The publisher socket goes away and is re-bound on the same port, seq goes on:
+    on reconnect the subscriber replays from its last seq, the digest matches, nothing is
+    cleared and the messages published meanwhile are applied without any live traffic."""
+    cap = Capture("vllm-0.33.0")
+    pub = Publisher(net)
+    server = ReplayServer(net, cap)
+    sink = RecordingSink(cap)
+    metrics = Metrics()
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx,
+                                     metrics=metrics))
+    await pub.wait_subscribed()
+    await publish(pub, cap, server, 0, 1)
+    assert await sub.wait_for(lambda s: s.messages_applied == 2 and s.connected, TIMEOUT)
+    await pub.restart(net)
+    assert await sub.wait_for(lambda s: not s.connected, TIMEOUT)
+    server.max_seq = 4  # 2, 3, 4 published while nobody listened
+    await pub.wait_subscribed()
+    assert await sub.wait_for(lambda s: s.last_seq == 4, TIMEOUT), sub.snapshot()
+    await publish(pub, cap, server, 5)
+    assert await sub.wait_for(lambda s: s.last_seq == 5, TIMEOUT), sub.snapshot()
+    assert sink.log == [("apply", "w1", 0, s) for s in range(6)]
+    assert server.requests == [1]
+    assert sub.stats.reconnects == 1 and sub.stats.verifications == 1
+    assert sub.restarts == 0 and sub.stats.clears == 0 and sub.stats.replay_outcomes == {"ok": 1}
+    assert metrics.registry.get_sample_value("mmroute_kv_replays_total", {"worker": "w1", "outcome": "ok"}) == 1
+    await sub.stop()
+    await server.close()
+
+
+async def test_restart_after_reconnect_continuing_seq_is_detected(net):
+    """A new process on the same port whose first live message is seq L + 1 (0..L lost):
+    indistinguishable by seq, caught by the reconnect check (replayed L differs)."""
+    old, new = Capture("vllm-0.33.0"), Capture("vllm-0.33.0_bytes-hashes")
+    pub = Publisher(net)
+    server = ReplayServer(net, old)
+    sink = RecordingSink()
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx))
+    await pub.wait_subscribed()
+    await publish(pub, old, server, 0, 1, 2)
+    assert await sub.wait_for(lambda s: s.messages_applied == 3 and s.connected, TIMEOUT)
+    await pub.restart(net)
+    server.capture, server.max_seq = new, 2
+    await pub.wait_subscribed()
+    await publish(pub, new, server, 3)
+    assert await sub.wait_for(lambda s: s.messages_seen == 4 and s.stats.replay_outcomes["ok"] == 1, TIMEOUT), \
+        sub.snapshot()
+    assert sink.log == [("apply", "w1", 0, old.batches[s]) for s in range(3)] + [("clear", "w1", 0)] + [
+        ("apply", "w1", 0, new.batches[s]) for s in range(4)]
+    assert server.requests == [2, 0]
+    assert sub.restarts == 1 and sub.stats.replay_outcomes == {"restart": 1, "ok": 1}
+    await sub.stop()
+    await server.close()
+
+
+async def test_restart_after_reconnect_with_empty_buffer_is_detected(net):
+    """The new process has published nothing yet: its buffer lacks L, so it is not the
+    process L came from. The old blocks are dropped right at reconnect, not at the next
+    message."""
+    old, new = Capture("vllm-0.33.0"), Capture("vllm-0.33.0_bytes-hashes")
+    pub = Publisher(net)
+    server = ReplayServer(net, old)
+    sink = RecordingSink()
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx))
+    await pub.wait_subscribed()
+    await publish(pub, old, server, 0, 1, 2)
+    assert await sub.wait_for(lambda s: s.messages_applied == 3 and s.connected, TIMEOUT)
+    server.capture, server.max_seq = new, -1
+    await pub.restart(net)
+    await pub.wait_subscribed()
+    assert await sub.wait_for(lambda s: s.restarts == 1 and s.stats.replay_outcomes["ok"] == 1, TIMEOUT), \
+        sub.snapshot()
+    assert sink.log == [("apply", "w1", 0, old.batches[s]) for s in range(3)] + [("clear", "w1", 0)]
+    assert server.requests == [2, 0]
+    await publish(pub, new, server, 0, 1)
+    assert await sub.wait_for(lambda s: s.messages_applied == 5, TIMEOUT), sub.snapshot()
+    assert [e[3] for e in sink.log[4:]] == [new.batches[0], new.batches[1]]
+    assert sub.gaps == 0 and sub.restarts == 1
+    await sub.stop()
+    await server.close()
+
+
+async def test_restart_seen_as_gap_is_a_restart_not_a_partial_replay(net):
+    """(c) First message of the new process seen: seq 4 > L + 1 (L = 1). The replay from L
+    returns the new process's seq 1, whose digest differs: restart, replay from 0."""
+    old, new = Capture("vllm-0.33.0"), Capture("vllm-0.33.0_bytes-hashes")
+    pub = Publisher(net)
+    server = ReplayServer(net, old)
+    sink = RecordingSink()
+    metrics = Metrics()
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx,
+                                     metrics=metrics))
+    await pub.wait_subscribed()
+    await publish(pub, old, server, 0, 1)
+    assert await sub.wait_for(lambda s: s.messages_applied == 2, TIMEOUT)
+    server.capture, server.max_seq = new, 4
+    await publish(pub, new, None, 4)
+    assert await sub.wait_for(lambda s: s.messages_seen == 3 and s.stats.duplicates == 1, TIMEOUT), sub.snapshot()
+    assert sink.log == [("apply", "w1", 0, old.batches[0]), ("apply", "w1", 0, old.batches[1]), ("clear", "w1", 0)] + [
+        ("apply", "w1", 0, new.batches[s]) for s in range(5)]
+    assert server.requests == [1, 0]
+    assert sub.restarts == 1 and sub.stats.replay_outcomes == {"restart": 1, "ok": 1}
+    assert "partial" not in sub.stats.replay_outcomes and sub.stats.duplicates == 1
+    assert metrics.registry.get_sample_value("mmroute_kv_restarts_detected_total", {"worker": "w1"}) == 1
+    await sub.stop()
+    await server.close()
+
+
+async def test_request_resync_clears_and_replays_rate_limited(net):
+    """(d) The index meets an unknown parent and calls request_resync from inside apply:
+    scheduled (not inline), the rank is cleared and replayed from 0; a second request
+    within the window does nothing."""
+    cap = Capture("vllm-0.33.0")
+    pub = Publisher(net)
+    server = ReplayServer(net, cap)
+    sink = RecordingSink(cap)
+    metrics = Metrics()
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx,
+                                     metrics=metrics))
+    calls = []
+    sink.on_apply = lambda b: calls.append(sub.request_resync()) if b == cap.batches[2] and not calls else None
+    await pub.wait_subscribed()
+    await publish(pub, cap, server, 0, 1, 2)
+    assert await sub.wait_for(lambda s: s.stats.resyncs == 1 and sum(s.stats.replay_outcomes.values()) == 1,
+                              TIMEOUT), sub.snapshot()
+    assert calls == [True]
+    assert sink.log == [("apply", "w1", 0, s) for s in range(3)] + [("clear", "w1", 0)] + [
+        ("apply", "w1", 0, s) for s in range(3)]
+    assert server.requests == [0] and sub.stats.replay_outcomes == {"ok": 1}
+    # Rate limit: neither all ranks nor the explicit rank resync again within the window.
+    assert sub.request_resync() is False and sub.request_resync(0) is False
+    assert sub.stats.resyncs_suppressed == 2 and sub.stats.resyncs == 1
+    await publish(pub, cap, server, 3)  # the stream goes on; its seq space is intact
+    assert await sub.wait_for(lambda s: s.last_seq == 3, TIMEOUT), sub.snapshot()
+    assert applied(sink)[-1] == 3 and server.requests == [0] and sub.restarts == 0
+    assert metrics.registry.get_sample_value("mmroute_kv_replays_total", {"worker": "w1", "outcome": "ok"}) == 1
+    await sub.stop()
+    assert sub.request_resync() is False  # stopped: nothing scheduled
+    await server.close()
+
+
+async def test_request_resync_without_replay_endpoint_only_counts(net):
+    cap = Capture("vllm-0.33.0")
+    pub = Publisher(net)
+    sink = RecordingSink(cap)
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=net.ctx, resync_interval=3600))
+    await pub.wait_subscribed()
+    await publish(pub, cap, None, 0)
+    assert await sub.wait_for(lambda s: s.messages_applied == 1, TIMEOUT)
+    assert sub.request_resync() is False and sub.request_resync(0) is False
+    assert sub.stats.resyncs_unavailable == 1 and sub.stats.resyncs_suppressed == 1
+    assert sink.log == [("apply", "w1", 0, 0)] and sub.stats.clears == 0
+    await sub.stop()
+
+
+async def test_collector_detects_a_publisher_restart_on_reconnect(net):
+    """Collector mode: a publisher that connects again after a disconnect makes every
+    stream verify; the restarted one (replayed L differs) is cleared and refilled."""
+    old, new = Capture("vllm-0.33.0"), Capture("vllm-0.33.0_bytes-hashes")
+    server = ReplayServer(net, old)
+    sink = RecordingSink()
+    coll = KVCollector("tcp://127.0.0.1:*", sink, {"kv-a": "wa"}, replay_endpoints={"kv-a": server.endpoint},
+                       ctx=net.ctx)
+    coll.start()
+    pa = Publisher(net, connect=coll.endpoint)
+    assert await pa.wait_subscribed() == b""
+    await publish(pa, old, server, 0, 1, 2, topic=b"kv-a")
+    assert await coll.wait_for(lambda c: c.stats_for("wa").last_seq == 2 and c.peers == 1, TIMEOUT), coll.snapshot()
+    pa.sock.close(linger=0)
+    assert await coll.wait_for(lambda c: c.peers == 0, TIMEOUT), coll.snapshot()
+    server.capture, server.max_seq = new, 2
+    pa2 = Publisher(net, connect=coll.endpoint)
+    assert await pa2.wait_subscribed() == b""
+    await publish(pa2, new, server, 3, topic=b"kv-a")
+    st = coll.stats_for("wa")
+    assert await coll.wait_for(lambda c: st.messages_seen == 4 and st.last_seq == 3 and st.replay_outcomes["ok"] == 1,
+                               TIMEOUT), coll.snapshot()
+    assert sink.log == [("apply", "wa", 0, old.batches[s]) for s in range(3)] + [("clear", "wa", 0)] + [
+        ("apply", "wa", 0, new.batches[s]) for s in range(4)]
+    assert st.restarts == 1 and st.reconnects == 1 and server.requests == [2, 0]
+    await coll.stop()
     await server.close()

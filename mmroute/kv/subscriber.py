@@ -1,9 +1,15 @@
 """ZMQ consumers of KV events: ``KVSubscriber`` (connect to one worker's PUB) and
 ``KVCollector`` (bind one SUB that workers' publishers connect to, ENGINES.md §1.2).
 
-Both run as asyncio tasks on ``zmq.asyncio`` sockets (never block the loop), hand every
-message to a ``WorkerStream`` (seq tracking, replay, delivery: ``kv.stream``) and never
-die on bad input: decode errors are counted, unexpected exceptions logged, the loop goes on.
+Both run as an asyncio task on ``zmq.asyncio`` sockets (never block the loop), hand every
+message to a ``WorkerStream`` (seq tracking, restart detection, replay, delivery:
+``kv.stream``) and never die on bad input: decode errors are counted, unexpected
+exceptions logged, the loop goes on.
+
+One task reads both the data socket and its connection monitor, and drains the monitor
+before each data message: a reconnect (DISCONNECTED, then CONNECTED/ACCEPTED) is always
+seen before the first message that came over the new connection, so the stream can
+verify continuity before trusting that message (``WorkerStream.mark_reconnected``).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from mmroute.kv.stream import EventSink, StreamStats, WorkerStream
+from mmroute.kv.stream import RESYNC_INTERVAL, EventSink, StreamStats, WorkerStream, payload_digest
 from mmroute.kv.wire import WireError, decode_message
 
 __all__ = ["EventSink", "KVCollector", "KVSubscriber", "StreamStats"]
@@ -30,6 +36,8 @@ RECONNECT_IVL_MAX_MS = 5_000
 
 _MONITOR_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 _UP = (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED)
+# Data messages handled per wake-up before yielding to other tasks.
+_BATCH = 256
 
 T = TypeVar("T")
 
@@ -51,6 +59,7 @@ class _ZmqConsumer:
         self._changed = asyncio.Event()
         self.peers = 0  # live TCP connections (monitor)
         self.loop_errors = 0
+        self._lost_peer = False  # a DISCONNECTED since the last reconnect notice
 
     # ---- public ----------------------------------------------------------------------------
 
@@ -84,11 +93,9 @@ class _ZmqConsumer:
             sock.close(linger=0)
             raise ValueError(f"{self!r}: {e}") from None
         self._sock, self._mon = sock, mon
-        loop = asyncio.get_running_loop()
-        for coro in (self._recv_loop(), self._monitor_loop()):
-            task = loop.create_task(coro, name=f"{self!r}")
-            task.add_done_callback(self._task_done)
-            self._tasks.append(task)
+        task = asyncio.get_running_loop().create_task(self._run(), name=f"{self!r}")
+        task.add_done_callback(self._task_done)
+        self._tasks.append(task)
 
     async def stop(self) -> None:
         """Cancel the tasks and close every socket; idempotent."""
@@ -97,6 +104,8 @@ class _ZmqConsumer:
             t.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in self._streams():
+            await stream.aclose()
         if self._sock is not None:
             try:
                 self._sock.disable_monitor()
@@ -107,6 +116,7 @@ class _ZmqConsumer:
             self._sock.close(linger=0)
             self._sock = self._mon = None
         self.peers = 0
+        self._lost_peer = False
         self._notify()
 
     async def wait_for(self: T, predicate: Callable[[T], bool], timeout: float = 10.0) -> bool:
@@ -133,6 +143,14 @@ class _ZmqConsumer:
     async def _handle(self, frames: list[bytes]) -> None:
         raise NotImplementedError
 
+    def _streams(self) -> list[WorkerStream]:
+        raise NotImplementedError
+
+    def _on_reconnect(self) -> None:
+        """A peer came back after a disconnect: every stream verifies continuity."""
+        for stream in self._streams():
+            stream.mark_reconnected()
+
     # ---- internals -------------------------------------------------------------------------
 
     def _notify(self) -> None:
@@ -143,13 +161,26 @@ class _ZmqConsumer:
         if not task.cancelled() and task.exception() is not None:
             log.error("%r: task ended with an exception", self, exc_info=task.exception())
 
-    async def _recv_loop(self) -> None:
-        sock = self._sock
-        assert sock is not None
+    async def _run(self) -> None:
+        sock, mon = self._sock, self._mon
+        assert sock is not None and mon is not None
+        poller = zmq.asyncio.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(mon, zmq.POLLIN)
         failures = 0
         while True:
             try:
-                frames = await sock.recv_multipart()
+                await poller.poll()
+                for _ in range(_BATCH):
+                    self._drain_monitor(mon)
+                    try:
+                        frames = await sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    failures = 0
+                    await self._handle_safely(frames)
+            except asyncio.CancelledError:
+                raise
             except zmq.ZMQError as e:
                 if e.errno in (zmq.ETERM, zmq.ENOTSOCK):
                     log.warning("%r: socket closed (%s); receive loop ends", self, e)
@@ -159,33 +190,42 @@ class _ZmqConsumer:
                 log.exception("%r: receive failed", self)
                 # Back off only on repeated socket errors, so the loop can't spin hot.
                 await asyncio.sleep(min(0.01 * 2**failures, 1.0))
-                continue
-            failures = 0
-            try:
-                await self._handle(frames)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                self.loop_errors += 1
-                log.exception("%r: unexpected error while handling a message", self)
-                self._notify()
+            # Let other tasks run between batches (NOBLOCK receives never yield).
+            await asyncio.sleep(0)
 
-    async def _monitor_loop(self) -> None:
-        mon = self._mon
-        assert mon is not None
+    async def _handle_safely(self, frames: list[bytes]) -> None:
+        try:
+            await self._handle(frames)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.loop_errors += 1
+            log.exception("%r: unexpected error while handling a message", self)
+            self._notify()
+
+    def _drain_monitor(self, mon: zmq.asyncio.Socket) -> None:
+        """Process every queued connection event (non-blocking)."""
         while True:
+            fut = mon.recv_multipart(zmq.NOBLOCK)  # already resolved: no await needed
             try:
-                ev = parse_monitor_message(await mon.recv_multipart())
-            except zmq.ZMQError:
+                ev = parse_monitor_message(fut.result())
+            except zmq.Again:
                 return
+            except zmq.ZMQError:
+                raise
             except Exception:
                 log.exception("%r: bad monitor message", self)
                 continue
             kind = ev["event"]
             if kind in _UP:
                 self.peers += 1
+                if self._lost_peer:
+                    self._lost_peer = False
+                    log.info("%r: reconnected; verifying event continuity", self)
+                    self._on_reconnect()
             elif kind == zmq.EVENT_DISCONNECTED:
                 self.peers = max(0, self.peers - 1)
+                self._lost_peer = True
             self._notify()
 
 
@@ -211,6 +251,7 @@ class KVSubscriber(_ZmqConsumer):
         replay_timeout: float = 5.0,
         first_seq: int = 0,
         rcvhwm: int = DEFAULT_RCVHWM,
+        resync_interval: float = RESYNC_INTERVAL,
     ) -> None:
         super().__init__(ctx, rcvhwm)
         self.worker_id = worker_id
@@ -220,11 +261,24 @@ class KVSubscriber(_ZmqConsumer):
         self.stream = WorkerStream(
             worker_id, sink, self._ctx,
             replay_endpoint=replay_endpoint, dp_rank=dp_rank, first_seq=first_seq,
-            replay_timeout=replay_timeout, metrics=metrics, on_change=self._notify,
+            replay_timeout=replay_timeout, resync_interval=resync_interval,
+            metrics=metrics, on_change=self._notify,
         )
 
     def __repr__(self) -> str:
         return f"KVSubscriber({self.worker_id!r}, {self.endpoint!r})"
+
+    def _streams(self) -> list[WorkerStream]:
+        return [self.stream]
+
+    def request_resync(self, dp_rank: int | None = None) -> bool:
+        """Clear ``dp_rank`` (None: every rank seen) and replay it from the start, e.g. when
+        the index met a store with an unknown parent. Scheduled, never inline (safe from
+        inside ``sink.apply``); rate-limited per rank; without a replay endpoint it is only
+        counted. Returns whether a resync was scheduled."""
+        if not self.running:
+            return False
+        return self.stream.request_resync(dp_rank)
 
     def _setup(self, sock: zmq.asyncio.Socket) -> None:
         sock.setsockopt(zmq.SUBSCRIBE, self.topic)  # prefix match; b"" = every topic
@@ -237,7 +291,7 @@ class KVSubscriber(_ZmqConsumer):
         except WireError as e:
             self.stream.note_decode_error(e)
             return
-        await self.stream.on_live(msg)
+        await self.stream.on_live(msg, payload_digest(frames[2]))
 
     # ---- plain stats -----------------------------------------------------------------------
 
@@ -279,6 +333,11 @@ class KVSubscriber(_ZmqConsumer):
             "replays": dict(s.replay_outcomes),
             "restarts": s.restarts,
             "clears": s.clears,
+            "reconnects": s.reconnects,
+            "verifications": s.verifications,
+            "resyncs": s.resyncs,
+            "resyncs_suppressed": s.resyncs_suppressed,
+            "resyncs_unavailable": s.resyncs_unavailable,
             "decode_errors": s.decode_errors,
             "last_event_time": s.last_event_time,
         }
@@ -304,6 +363,7 @@ class KVCollector(_ZmqConsumer):
         replay_timeout: float = 5.0,
         first_seq: int = 0,
         rcvhwm: int = DEFAULT_RCVHWM,
+        resync_interval: float = RESYNC_INTERVAL,
     ) -> None:
         super().__init__(ctx, rcvhwm)
         self.bind = bind
@@ -314,7 +374,8 @@ class KVCollector(_ZmqConsumer):
             _as_bytes(topic): WorkerStream(
                 worker, sink, self._ctx,
                 replay_endpoint=replay.get(_as_bytes(topic)), first_seq=first_seq,
-                replay_timeout=replay_timeout, metrics=metrics, on_change=self._notify,
+                replay_timeout=replay_timeout, resync_interval=resync_interval,
+                metrics=metrics, on_change=self._notify,
             )
             for topic, worker in topics.items()
         }
@@ -330,6 +391,15 @@ class KVCollector(_ZmqConsumer):
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.bind(self.bind)
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _streams(self) -> list[WorkerStream]:
+        return list(self.streams.values())
+
+    def request_resync(self, worker_id: str, dp_rank: int | None = None) -> bool:
+        """``KVSubscriber.request_resync`` for one worker of the collector."""
+        if not self.running:
+            return False
+        return any([s.request_resync(dp_rank) for s in self.streams.values() if s.worker_id == worker_id])
 
     def stats_for(self, worker_id: str) -> StreamStats | None:
         for st in self.streams.values():
@@ -355,7 +425,7 @@ class KVCollector(_ZmqConsumer):
         except WireError as e:
             stream.note_decode_error(e)
             return
-        await stream.on_live(msg)
+        await stream.on_live(msg, payload_digest(frames[2]))
 
     def snapshot(self) -> dict[str, Any]:
         return {
