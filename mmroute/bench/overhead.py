@@ -10,7 +10,8 @@ Scenarios:
   warm   2k-token chat whose system prompt and history were seen before (the case
          KV routing exists for); only the last user turn is new each time.
   cold   2k-token chat never seen before (every word new each time).
-  image  warm chat plus one 1280x720 PNG sent as base64 (new picture each time).
+  image  warm chat plus one 1280x720 PNG sent as base64 (new picture each time),
+         photo-like (~1.4 MB); image-noise: incompressible noise (~2.7 MB), the worst case.
 """
 
 from __future__ import annotations
@@ -38,38 +39,52 @@ _WORDS = ("router cache block prefix worker token engine latency request stream 
           "throughput prefill decode queue cluster fleet replica kernel tensor").split()
 
 
-def _text(rng: random.Random, n_words: int, fresh: bool) -> str:
-    if fresh:  # never-seen words: defeat every cache
-        return " ".join(f"{rng.choice(_WORDS)}{rng.randrange(10**6)}" for _ in range(n_words))
+def _text(rng: random.Random, n_words: int) -> str:
+    # Random word order: every call is a never-seen segment, with ordinary token density.
     return " ".join(rng.choice(_WORDS) for _ in range(n_words))
 
 
-def _png(width: int, height: int, seed: int) -> bytes:
-    """A valid PNG of the given size (a solid colour; the bytes differ per seed)."""
-    row = b"\x00" + bytes([seed % 256, (seed >> 8) % 256, 77]) * width
-    raw = zlib.compress(row * height, 6)
+_PNG_CACHE: dict[tuple[int, int, int], bytes] = {}
 
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
 
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", raw) + chunk(b"IEND", b"")
+def _chunk(tag: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
+
+
+def _png(width: int, height: int, seed: int, noise_bits: int = 4) -> bytes:
+    """A valid PNG: a vertical gradient plus ``noise_bits`` of noise per channel.
+    4 bits compresses like a photo (~1.4 MB at 1280x720); 8 bits is incompressible
+    (~2.7 MB), the worst case. Pixels are made once per kind; each seed adds a text
+    chunk so the bytes (and the image identifier) differ per request."""
+    key = (width, height, noise_bits)
+    if key not in _PNG_CACHE:
+        rnd = random.Random(0)
+        mask = (1 << noise_bits) - 1
+        rows = []
+        for y in range(height):
+            base = (y * (256 - mask - 1)) // max(1, height - 1)
+            table = bytes(base + (v & mask) for v in range(256))
+            rows.append(b"\x00" + rnd.randbytes(3 * width).translate(table))
+        ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+        _PNG_CACHE[key] = _chunk(b"IHDR", ihdr) + _chunk(b"IDAT", zlib.compress(b"".join(rows), 6))
+    text = _chunk(b"tEXt", b"Comment\x00request %d" % seed)
+    return b"\x89PNG\r\n\x1a\n" + _PNG_CACHE[key] + text + _chunk(b"IEND", b"")
 
 
 def _chat(rng: random.Random, history: list[dict[str, Any]], fresh: bool, image: bytes | None) -> dict[str, Any]:
-    last: Any = _text(rng, 120, fresh=True)
+    last: Any = _text(rng, 80)
     if image is not None:
         url = "data:image/png;base64," + base64.b64encode(image).decode()
         last = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": last}]
-    msgs = [dict(m) for m in history] if not fresh else _history(rng, fresh=True)
+    msgs = [dict(m) for m in history] if not fresh else _history(rng)
     return {"model": "bench", "max_tokens": 64, "messages": msgs + [{"role": "user", "content": last}]}
 
 
-def _history(rng: random.Random, fresh: bool) -> list[dict[str, Any]]:
-    msgs = [{"role": "system", "content": _text(rng, 420, fresh)}]
+def _history(rng: random.Random) -> list[dict[str, Any]]:
+    msgs = [{"role": "system", "content": _text(rng, 780)}]
     for _ in range(3):
-        msgs.append({"role": "user", "content": _text(rng, 160, fresh)})
-        msgs.append({"role": "assistant", "content": _text(rng, 200, fresh)})
+        msgs.append({"role": "user", "content": _text(rng, 150)})
+        msgs.append({"role": "assistant", "content": _text(rng, 200)})
     return msgs
 
 
@@ -86,7 +101,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     for w in ctx.registry.workers.values():
         w.healthy, w.backend = True, "vllm"  # no live workers: the decision path only
     rng = random.Random(1)
-    history = _history(rng, fresh=False)
+    history = _history(rng)
     results: dict[str, Any] = {}
     for scenario in args.scenarios:
         # Index the shared prefix on worker 0 with real BlockStored events, as a worker would publish them.
@@ -100,7 +115,9 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
         totals: list[float] = []
         tokens: list[int] = []
         for i in range(args.warmup + args.iterations):
-            image = _png(1280, 720, i) if scenario == "image" else None
+            image = None
+            if scenario.startswith("image"):
+                image = _png(1280, 720, i, noise_bits=8 if scenario == "image-noise" else 4)
             body = _chat(rng, history, fresh=(scenario == "cold"), image=image)
             t0 = time.perf_counter()
             prep = await prepare(ctx, "chat", body)
@@ -134,7 +151,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--iterations", type=int, default=300)
     p.add_argument("--warmup", type=int, default=30)
-    p.add_argument("--scenarios", nargs="+", default=["warm", "cold", "image"], choices=["warm", "cold", "image"])
+    p.add_argument("--scenarios", nargs="+", default=["warm", "cold", "image", "image-noise"], choices=["warm", "cold", "image", "image-noise"])
     p.add_argument("--json", action="store_true", help="print JSON only")
 
 
@@ -147,7 +164,7 @@ def run_bench(args: argparse.Namespace) -> int:
     for name in args.scenarios:
         r = res[name]
         t = r["total_ms"]
-        print(f"  {name:5s} ~{r['prompt_tokens_mean']} tokens: p50 {t['p50']:.3f} ms  p90 {t['p90']:.3f} ms  "
+        print(f"  {name:11s} ~{r['prompt_tokens_mean']} tokens: p50 {t['p50']:.3f} ms  p90 {t['p90']:.3f} ms  "
               f"p99 {t['p99']:.3f} ms")
         for k, v in r["stages_ms_p50"].items():
             print(f"        {k:34s} p50 {v:.3f} ms")

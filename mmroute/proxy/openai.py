@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 import aiohttp
+import msgspec
 from aiohttp import web
 
 from mmroute.proxy.common import (
@@ -73,7 +74,7 @@ async def proxy_openai(
     """
     hooks = hooks or ProxyHooks()
     send_body, strip_usage = with_usage_requested(body)
-    data = json.dumps(send_body).encode()
+    data = msgspec.json.encode(send_body)  # fast on multi-MB base64 image bodies
     out_headers = response_headers(worker.id, request_id)
     watch = ClientWatch(request)
     resp: aiohttp.ClientResponse | None = None

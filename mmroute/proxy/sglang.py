@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import aiohttp
+import msgspec
 from aiohttp import web
 
 from mmroute.errors import RouterError, bad_request
@@ -400,7 +401,7 @@ async def proxy_sglang_generate(
     hooks = hooks or ProxyHooks()
     body = {**gen_body, "stream": stream}
     body.setdefault("rid", request_id)
-    data = json.dumps(body).encode()
+    data = msgspec.json.encode(body)
     out_headers = response_headers(worker.id, request_id)
     watch = ClientWatch(request)
     resp: aiohttp.ClientResponse | None = None

@@ -90,23 +90,13 @@ def vllm_block_extras(
     Mirrors vLLM 0.33 ``vllm/v1/core/kv_cache_utils.py::generate_block_hash_extra_keys``
     and ``to_event_extra_keys`` (tags stripped, LoRA path dropped).
     """
-    spans = sorted(mm_spans, key=lambda s: s[1])
-    out: list[bytes] = []
-    first = 0  # spans before this index end before the current block
-    for b in range(num_blocks):
-        start, end = b * block_size, (b + 1) * block_size
-        entry: list[Any] = []
-        if lora_name:
-            entry.append(lora_name)
-        while first < len(spans) and spans[first][1] + spans[first][2] <= start:
-            first += 1
-        for ident, off, length in spans[first:]:
-            if off >= end:
-                break
-            if off + length <= start:
-                continue  # an earlier, shorter span (Gemma-3 spans may overlap)
-            entry.append([ident, off - start])
-        if cache_salt is not None and start == 0:
-            entry.append(cache_salt)
-        out.append(canon_extra(entry))
-    return out
+    # Only the blocks an image touches need a walk; the rest share one entry.
+    entries: list[list[Any]] = [[lora_name] if lora_name else [] for _ in range(num_blocks)]
+    for ident, off, length in sorted(mm_spans, key=lambda s: s[1]):
+        first, last = max(0, off // block_size), min(num_blocks - 1, (off + length - 1) // block_size)
+        for b in range(first, last + 1):
+            entries[b].append([ident, off - b * block_size])
+    if cache_salt is not None and num_blocks:
+        entries[0].append(cache_salt)
+    plain = canon_extra([lora_name] if lora_name else [])
+    return [canon_extra(e) if len(e) > (1 if lora_name else 0) else plain for e in entries]
