@@ -129,6 +129,10 @@ class Launch:
     def stderr(self) -> str:
         return "\n".join(self.err_lines)
 
+    def worker_pids(self) -> list[int]:
+        """The pids the launcher reported for the workers it started."""
+        return [int(m.group(1)) for m in re.finditer(r"^worker \d+: pid (\d+),", self.stderr, re.M)]
+
     def serve_line(self) -> str:
         deadline = time.monotonic() + WAIT
         while time.monotonic() < deadline:
@@ -189,11 +193,11 @@ def _wait_gone(pids: list[int], timeout: float = WAIT) -> list[int]:
     return left
 
 
-def _kill_leftovers(rec_dir: Path) -> None:
+def _kill_leftovers(launch: "Launch", rec_dir: Path) -> None:
     """Safety net: stop any stand-in this test started that is still running (by pid)."""
-    for r in _records(rec_dir).values():
-        if _alive(r["pid"]):
-            os.kill(r["pid"], signal.SIGKILL)
+    for pid in {*launch.worker_pids(), *(r["pid"] for r in _records(rec_dir).values())}:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _serve_config(line: str) -> RouterConfig:
@@ -322,13 +326,14 @@ async def test_vllm_launcher_end_to_end(tmp_path: Path) -> None:
 
         launch.proc.send_signal(signal.SIGINT)  # Ctrl-C stops every worker
         assert launch.wait() == 130
-        assert _wait_gone([r["pid"] for r in records.values()]) == []
+        assert sorted(launch.worker_pids()) == sorted(r["pid"] for r in records.values())
+        assert _wait_gone(launch.worker_pids()) == []
         assert "stopping 2 vLLM worker(s)" in launch.stderr
     finally:
         if runner is not None:
             await runner.cleanup()
         launch.stop()
-        _kill_leftovers(rec)
+        _kill_leftovers(launch, rec)
 
 
 def test_vllm_launcher_names_the_worker_that_exits(tmp_path: Path) -> None:
@@ -344,11 +349,11 @@ def test_vllm_launcher_names_the_worker_that_exits(tmp_path: Path) -> None:
         assert f"worker 1 (port {http + 1}) exited with status 3 before becoming healthy" in launch.stderr
         assert str(tmp_path / "logs" / "worker-1.log") in launch.stderr
         assert launch.out.empty(), "no serve line on failure"
-        pids = [r["pid"] for r in _records(rec).values()]
-        assert len(pids) == 2 and _wait_gone(pids) == []  # the healthy-to-be worker 0 was stopped
+        pids = launch.worker_pids()
+        assert len(pids) == 2 and _wait_gone(pids) == []  # the still-starting worker 0 was stopped
     finally:
         launch.stop()
-        _kill_leftovers(rec)
+        _kill_leftovers(launch, rec)
 
 
 def test_vllm_launcher_times_out_naming_workers(tmp_path: Path) -> None:
@@ -364,15 +369,11 @@ def test_vllm_launcher_times_out_naming_workers(tmp_path: Path) -> None:
         for i in range(2):
             assert f"worker {i} (http://127.0.0.1:{http + i}/health, log " in launch.stderr
         assert "not healthy after 1s" in launch.stderr
-        # Both stand-ins started (the first poll may come before the second records itself).
-        deadline = time.monotonic() + WAIT
-        while len(_records(rec)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        pids = [r["pid"] for r in _records(rec).values()]
+        pids = launch.worker_pids()
         assert len(pids) == 2 and _wait_gone(pids) == []
     finally:
         launch.stop()
-        _kill_leftovers(rec)
+        _kill_leftovers(launch, rec)
 
 
 # ---------------------------------------------------------------- SGLang launcher, for real
@@ -422,12 +423,13 @@ async def test_sglang_launcher_end_to_end(tmp_path: Path) -> None:
 
         launch.proc.send_signal(signal.SIGTERM)
         assert launch.wait() == 143
-        assert _wait_gone([r["pid"] for r in records.values()]) == []
+        assert sorted(launch.worker_pids()) == sorted(r["pid"] for r in records.values())
+        assert _wait_gone(launch.worker_pids()) == []
     finally:
         if runner is not None:
             await runner.cleanup()
         launch.stop()
-        _kill_leftovers(rec)
+        _kill_leftovers(launch, rec)
 
 
 # ---------------------------------------------------------------- Dockerfile

@@ -226,7 +226,7 @@ async def test_unreachable_image_falls_back_to_text_prefix(sims):
         await fleet.close()
 
 
-def test_startup_log_states_multimodal_status(caplog):
+async def test_startup_log_states_multimodal_status(caplog):
     caplog.set_level(logging.INFO, logger="mmroute")
     AppContext(RouterConfig(model=QWEN25_VL, workers=[WorkerSpec.parse("http://127.0.0.1:1")]))
     assert any("multimodal routing enabled" in r.getMessage() and "qwen" in r.getMessage().lower()
