@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from typing import Any, Sequence
 
 from mmroute.config import POLICIES, TOKENIZE_MODES, ConfigError, RouterConfig, build_config, load_toml
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -39,6 +50,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--media-allow-hosts", nargs="+", metavar="HOST_OR_CIDR",
                    help="image hosts allowed despite the private-address guard")
     p.add_argument("--media-max-bytes", type=int, help="largest image payload accepted")
+    p.add_argument("--mm-processor-kwargs", type=_json_object, metavar="JSON",
+                   help="the workers' --mm-processor-kwargs (e.g. '{\"max_pixels\": 1003520}')")
     p.add_argument("--allow-page-size-1", action="store_true", default=None,
                    help="accept SGLang workers with page size 1 (one KV event per token)")
 

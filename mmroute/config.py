@@ -118,6 +118,8 @@ class RouterConfig:
     media_allow_hosts: list[str] = field(default_factory=list)  # CIDRs/hosts allowed despite SSRF guard
     allow_page_size_1: bool = False
     lora_modules: list[str] = field(default_factory=list)  # adapter names served by the workers
+    # The workers' --mm-processor-kwargs (min_pixels, max_pixels, num_crops): image token counts depend on them.
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         if not self.model:
@@ -161,6 +163,34 @@ def load_toml(path: str) -> dict[str, Any]:
     return out
 
 
+_DEFAULTS = RouterConfig()
+
+
+def _check_type(name: str, value: Any) -> None:
+    """TOML values must have the type of the flag they stand for: fail at start-up with
+    the key's name, not later with a traceback."""
+    default = getattr(_DEFAULTS, name)
+    if value is None or name in ("workers", "served_model_name"):
+        return
+    want: tuple[type, ...]
+    if isinstance(default, bool):
+        want = (bool,)
+    elif isinstance(default, float):
+        want = (int, float)
+    elif isinstance(default, int) or name in ("block_size", "max_model_len"):
+        want = (int,)
+    elif isinstance(default, list):
+        want = (list,)
+    elif isinstance(default, dict):
+        want = (dict,)
+    else:
+        want = (str,)
+    if not isinstance(value, want) or (isinstance(value, bool) and bool not in want):
+        raise ConfigError(f"config key {name!r} must be {' or '.join(t.__name__ for t in want)}, not {value!r}")
+    if isinstance(value, list) and not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"config key {name!r} must be a list of strings")
+
+
 def build_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> RouterConfig:
     """Merge defaults < TOML file < flags (flags given as None are 'not set')."""
     merged: dict[str, Any] = dict(file_values)
@@ -168,9 +198,13 @@ def build_config(file_values: dict[str, Any], flag_values: dict[str, Any]) -> Ro
     workers = merged.pop("workers", []) or []
     if isinstance(workers, str):
         workers = [workers]
+    if not isinstance(workers, list) or not all(isinstance(w, (str, WorkerSpec)) for w in workers):
+        raise ConfigError("'workers' must be a list of worker specs (strings)")
     served = merged.pop("served_model_name", []) or []
     if isinstance(served, str):
         served = [served]
+    for name, value in merged.items():
+        _check_type(name, value)
     cfg = RouterConfig(**merged)
     cfg.workers = [w if isinstance(w, WorkerSpec) else WorkerSpec.parse(w) for w in workers]
     cfg.served_model_name = list(served)

@@ -39,6 +39,37 @@ DEFAULT_BLOCK_SIZE = 16
 _SOFT_MEDIA_CODES = {"image_fetch_failed", "image_unreachable", "image_timeout", "image_http_error"}
 
 
+class _StateCollector:
+    """Scrape-time view of state the index and subscribers already count: per-worker
+    index outcomes (unknown parents, block-size mismatches, other tiers...) and the
+    age of the last applied KV event."""
+
+    def __init__(self, ctx: "AppContext"):
+        self.ctx = ctx
+
+    def describe(self) -> list[Any]:
+        return []  # registered without describing: metrics appear once there is state
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        ctx = self.ctx
+        outcomes = CounterMetricFamily("mmroute_index_events", "KV events by index outcome (applied, unknown_parent, "
+                                       "bad_block_size, skipped_medium, skipped_group, unknown_hash, ...)",
+                                       labels=["worker", "type", "status"])
+        lag = GaugeMetricFamily("mmroute_kv_event_lag_seconds", "Seconds since the last applied KV event per worker",
+                                labels=["worker"])
+        now = time.monotonic()
+        for wid in ctx.registry.workers:
+            for (etype, status), n in ctx.index.counters(wid).items():
+                outcomes.add_metric([wid, etype, status], n)
+            last = [k.get("last_event_time") for k in ctx.kv_state(wid) if k.get("last_event_time") is not None]
+            if last:
+                lag.add_metric([wid], now - max(last))
+        yield outcomes
+        yield lag
+
+
 class AppContext:
     def __init__(self, config: RouterConfig, *, renderer: Renderer | None = None, rng: random.Random | None = None):
         config.validate()
@@ -46,7 +77,8 @@ class AppContext:
         self.metrics = Metrics()
         if renderer is None:
             files = ModelFiles.load(config.model)
-            renderer = Renderer.from_files(files, chat_template=config.chat_template)
+            renderer = Renderer.from_files(files, chat_template=config.chat_template,
+                                           mm_processor_kwargs=config.mm_processor_kwargs)
         self.renderer = renderer
         if config.max_model_len:
             renderer.max_model_len = config.max_model_len
@@ -83,6 +115,7 @@ class AppContext:
         self._tok_rr = 0
         self._sglang_mm_misses: dict[str, int] = {}
         self.started_at = time.time()
+        self.metrics.registry.register(_StateCollector(self))
         self._log_mm_status()
 
     # ---------------------------------------------------------------- lifecycle
@@ -137,9 +170,12 @@ class AppContext:
 
     # ---------------------------------------------------------------- KV subscriptions
     def _on_worker_change(self, worker: Worker, what: str) -> None:
-        if self.collector is not None:
-            return  # publishers connect to us; nothing to dial
-        if what == "kv_sources":
+        if what in ("backend", "up") and not worker.mm_hashes_ok:
+            # Back after being down, or re-detected (a restart, maybe an upgrade): give
+            # mm_hashes another chance.
+            worker.mm_hashes_ok = True
+            self._sglang_mm_misses.pop(worker.id, None)
+        if what == "kv_sources" and self.collector is None:  # collector: publishers dial us
             self._resubscribe(worker)
 
     def _resubscribe(self, worker: Worker) -> None:
@@ -192,7 +228,8 @@ class AppContext:
 
         async def one(url: str) -> ImageRef | RouterError:
             try:
-                ref = await resolve_image(url, self.fetcher, self.config.media_max_pixels)
+                ref = await resolve_image(url, self.fetcher, self.config.media_max_pixels,
+                                          max_bytes=self.config.media_max_bytes)
                 self.metrics.media_fetch.labels("ok").inc()
                 return ref
             except RouterError as exc:

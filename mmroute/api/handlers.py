@@ -112,7 +112,7 @@ async def _send(ctx: AppContext, request: web.Request, prep: Prepared, route: Ro
     hooks = ProxyHooks(on_first_token=first_token, on_usage=usage_box.append)
     status = 200
     try:
-        if worker.backend == "sglang" and prep.has_mm and prep.endpoint == "chat":
+        if worker.backend == "sglang" and prep.has_mm and prep.endpoint == "chat" and not prep.generate_unsupported:
             mm = [views.mm_hash_hex16(it.identifier) for it in prep.prompt.mm_items] if view.mm_exact else None
             gen = build_generate_body(prep.body, prep.prompt.text or "", prep.image_urls, mm, request_id)
             resp = await proxy_sglang_generate(request, ctx.upstream, worker, gen, model=prep.model, stream=prep.stream,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from mmroute.errors import RouterError, bad_request
 from mmroute.media.resolve import ImageRef
+from mmroute.proxy.sglang import generate_unsupported
 from mmroute.render.renderer import RenderedPrompt, UnroutablePrompt
 from mmroute.routing import views
 from mmroute.routing.scheduler import Candidate, Decision, NoEligibleWorker, RequestSize
@@ -45,6 +46,9 @@ class Prepared:
     image_urls: list[str] = field(default_factory=list)
     fallback: str | None = None  # why routing is not exact (None: exact)
     decode_tokens: int = DEFAULT_DECODE_TOKENS
+    # Why SGLang's /generate cannot serve this chat (tools, logprobs, n>1): image requests
+    # then go to its OpenAI endpoint, where mm_hashes cannot travel.
+    generate_unsupported: str | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -145,7 +149,8 @@ async def prepare(ctx: "AppContext", endpoint: str, body: Any) -> Prepared:
         raise bad_request("request body must be a JSON object")
     model, lora = _model_and_lora(ctx, body)
     stream, salt, decode = _validate_common(body)
-    prep = Prepared(endpoint, body, model, stream, lora, salt, decode_tokens=decode)
+    prep = Prepared(endpoint, body, model, stream, lora, salt, decode_tokens=decode,
+                    generate_unsupported=generate_unsupported(body) if endpoint == "chat" else None)
     t0 = time.perf_counter()
     if endpoint == "chat":
         messages = body.get("messages")
@@ -213,7 +218,7 @@ def _view_for(ctx: "AppContext", prep: Prepared, w: "Worker", bs: int, cache: di
     if prep.lora_name or prep.cache_salt is not None:
         return cache.setdefault("sglang:nomatch", ViewKeys("sglang:nomatch", [], len(p.token_ids), False))
     scheme = views.sglang_scheme_for_version(w.version or "") if p.mm_items else None
-    if p.mm_items and (scheme is None or not w.mm_hashes_ok):
+    if p.mm_items and (scheme is None or not w.mm_hashes_ok or prep.generate_unsupported):
         # Image pages unmatchable on this worker: key the text before the first image only.
         name = "sglang:text"
         if name not in cache:
@@ -236,15 +241,14 @@ def decide(ctx: "AppContext", prep: Prepared, exclude: set[str] | frozenset[str]
     per_worker = {w.id: _view_for(ctx, prep, w, bs, cache) for w in workers}
     t1 = time.perf_counter()
     stages["hash"] = t1 - t0
+    # Overlaps are looked up under every policy: the load-only policies ignore them for
+    # the choice, but explain and the prediction metrics stay truthful.
     overlaps: dict[str, int] = {}
-    if ctx.config.policy == "kv":
-        by_view: dict[str, list[str]] = {}
-        for wid, v in per_worker.items():
-            by_view.setdefault(v.name, []).append(wid)
-        for name, wids in by_view.items():
-            overlaps.update(ctx.index.overlaps(cache[name].keys, wids))
-    else:
-        overlaps = {w.id: 0 for w in workers}
+    by_view: dict[str, list[str]] = {}
+    for wid, v in per_worker.items():
+        by_view.setdefault(v.name, []).append(wid)
+    for name, wids in by_view.items():
+        overlaps.update(ctx.index.overlaps(cache[name].keys, wids))
     t2 = time.perf_counter()
     stages["lookup"] = t2 - t1
     candidates = [

@@ -158,13 +158,16 @@ class Renderer:
         content_format: str = "auto",
         max_model_len: int | None = None,
         default_template_kwargs: Mapping[str, Any] | None = None,
+        mm_processor_kwargs: Mapping[str, Any] | None = None,
     ) -> "Renderer":
+        """``mm_processor_kwargs``: the workers' ``--mm-processor-kwargs`` (e.g. max_pixels),
+        which change how many tokens an image becomes."""
         tokenizer = ModelTokenizer.from_files(files)
         if _detect_family is None:
             family, reason = None, "vision family registry not available"
         else:
             try:
-                family, reason = _detect_family(files, tokenizer)
+                family, reason = _detect_family(files, tokenizer, dict(mm_processor_kwargs or {}) or None)
             except Exception as exc:  # a family bug must not stop text routing
                 log.exception("vision family detection failed")
                 family, reason = None, f"family detection failed: {type(exc).__name__}: {exc}"
