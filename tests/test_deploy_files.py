@@ -15,6 +15,7 @@ dependency.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import queue
@@ -39,7 +40,7 @@ import yaml
 from mmroute.api.app import start_background
 from mmroute.api.context import AppContext
 from mmroute.cli import build_parser
-from mmroute.config import RouterConfig, WorkerSpec, build_config
+from mmroute.config import RouterConfig, build_config
 from mmroute.sim.config import config_from_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -587,3 +588,38 @@ def test_compose_cli_validation() -> None:
             assert r.returncode == 0, f"{' '.join(cmd)} config ({profile}): {r.stderr}"
         return
     pytest.skip("no docker compose client installed (apt-get install docker-compose)")
+
+
+# ---------------------------------------------------------------- docs stay complete
+
+
+def test_docs_cover_every_flag_key_and_metric() -> None:
+    """docs/configuration.md names every serve flag and TOML key; docs/metrics.md every
+    metric as exported (a new flag or metric without docs fails here)."""
+    import dataclasses
+
+    from mmroute.metrics import Metrics
+
+    conf = (ROOT / "docs" / "configuration.md").read_text()
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    serve = sub.choices["serve"]
+    flags = [s for action in serve._actions for s in action.option_strings if s.startswith("--") and s != "--help"]
+    assert len(flags) > 20
+    missing = [f for f in flags if f"`{f}`" not in conf]
+    assert not missing, f"flags missing from docs/configuration.md: {missing}"
+    keys = [f.name for f in dataclasses.fields(RouterConfig)]
+    missing = [k for k in keys if f"`{k}`" not in conf]
+    assert not missing, f"TOML keys missing from docs/configuration.md: {missing}"
+
+    text = (ROOT / "docs" / "metrics.md").read_text()
+    from prometheus_client import Counter, Histogram
+
+    m = Metrics()
+    names = []
+    for obj in vars(m).values():
+        if isinstance(obj, (Counter, Histogram)) or type(obj).__name__ == "Gauge":
+            name = obj._name  # type: ignore[attr-defined]
+            names.append(name + "_total" if isinstance(obj, Counter) else name)
+    assert len(names) > 20
+    missing = [n for n in names if f"`{n}`" not in text]
+    assert not missing, f"metrics missing from docs/metrics.md: {missing}"
