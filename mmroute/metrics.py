@@ -48,7 +48,7 @@ class Metrics:
         self.kv_events = Counter(p + "kv_events", "KV events by worker, type and status", ["worker", "type", "status"], registry=r)
         self.kv_seq_gaps = Counter(p + "kv_seq_gaps", "Sequence gaps detected", ["worker"], registry=r)
         self.kv_replays = Counter(p + "kv_replays", "Replay requests by outcome", ["worker", "outcome"], registry=r)
-        self.kv_restarts = Counter(p + "kv_restarts_detected", "Worker restarts detected (sequence went backwards)", ["worker"], registry=r)
+        self.kv_restarts = Counter(p + "kv_restarts_detected", "Worker restarts detected (sequence went backwards, or the payload at a known seq changed)", ["worker"], registry=r)
         self.kv_decode_errors = Counter(p + "kv_decode_errors", "KV messages that could not be decoded", ["worker"], registry=r)
         self.indexed_blocks = Gauge(p + "indexed_blocks", "Blocks indexed per worker", ["worker"], registry=r)
         self.worker_up = Gauge(p + "worker_up", "1 when the worker is healthy", ["worker"], registry=r)

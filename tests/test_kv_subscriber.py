@@ -261,7 +261,7 @@ async def test_gap_replay_three_frame_layout_vllm023(net):
     await publish(pub, cap, server, 2, 3)
     assert await sub.wait_for(lambda s: s.messages_seen == 3 and s.last_seq == 3, TIMEOUT), sub.snapshot()
     assert sink.log == [("apply", "w1", 0, s) for s in range(4)]
-    assert server.requests == [0]  # from the last applied seq: its digest is checked
+    assert server.requests == [0]  # from L: its digest is checked
     assert sub.gaps == 1 and sub.stats.replay_outcomes == {"ok": 1} and sub.stats.clears == 0
     assert metrics.registry.get_sample_value("mmroute_kv_seq_gaps_total", {"worker": "w1"}) == 1
     await sub.stop()
@@ -283,7 +283,7 @@ async def test_live_messages_during_replay_are_buffered_then_applied(net):
     server.max_seq = 2  # seq 2 lost
     await publish(pub, cap, server, 3)
     await asyncio.wait_for(server.got_request.wait(), TIMEOUT)
-    assert server.requests == [1]  # from the last applied seq: its digest is checked
+    assert server.requests == [1]  # from L: its digest is checked
     await publish(pub, cap, server, 4, 5)  # replay snapshot ends at 3: these come live
     server.gate.set()
     assert await sub.wait_for(lambda s: s.messages_seen == 5 and s.stats.duplicates == 1, TIMEOUT), sub.snapshot()
@@ -370,7 +370,7 @@ async def test_replay_timeout_clears_and_continues(net):
     await publish(pub, cap, server, 0, 2, 3)
     assert await sub.wait_for(lambda s: s.last_seq == 3, TIMEOUT), sub.snapshot()
     assert sink.log == [("apply", "w1", 0, 0), ("clear", "w1", 0), ("apply", "w1", 0, 2), ("apply", "w1", 0, 3)]
-    assert server.requests == [0]  # from the last applied seq: its digest is checked
+    assert server.requests == [0]  # from L: its digest is checked
     assert sub.stats.replay_outcomes == {"timeout": 1}
     assert metrics.registry.get_sample_value("mmroute_kv_replays_total", {"worker": "w1", "outcome": "timeout"}) == 1
     await sub.stop()
@@ -463,7 +463,7 @@ async def test_collector_routes_topics_to_workers(net):
     assert [e[3] for e in sink.log if e[1] == "wa"] == [vllm.batches[0], vllm.batches[1], vllm.batches[2]]
     assert [e[3] for e in sink.log if e[1] == "wb"] == [sgl.batches[1], sgl.batches[2]]
     assert all(e[0] == "apply" and e[2] == 0 for e in sink.log)
-    assert server.requests == [0]  # from the last applied seq: its digest is checked
+    assert server.requests == [0]  # from L: its digest is checked
     assert coll.stats_for("wa").gaps == 1 and coll.stats_for("wb").decode_errors == 1
     assert metrics.registry.get_sample_value("mmroute_kv_decode_errors_total", {"worker": "wb"}) == 1
     await coll.stop()
@@ -753,4 +753,33 @@ async def test_collector_detects_a_publisher_restart_on_reconnect(net):
         ("apply", "wa", 0, new.batches[s]) for s in range(4)]
     assert st.restarts == 1 and st.reconnects == 1 and server.requests == [2, 0]
     await coll.stop()
+    await server.close()
+
+
+async def test_replay_is_delivered_in_one_step(net):
+    """A join replays from 0 through old states (here: blocks the final reset wipes); the
+    replayed batches reach the sink with no other task running in between, so routing
+    never sees a half-replayed index."""
+    cap = Capture("vllm-0.33.0")
+    pub = Publisher(net)
+    server = ReplayServer(net, cap)
+    sink = RecordingSink(cap)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    seen: list[int] = []
+    sink.on_apply = lambda b: seen.append(ticks)
+    net.tasks.append(asyncio.get_running_loop().create_task(ticker()))
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx))
+    await pub.wait_subscribed()
+    await publish(pub, cap, server, 9)  # the reset; 0..8 only come by replay
+    assert await sub.wait_for(lambda s: s.last_seq == 9 and s.stats.duplicates == 1, TIMEOUT), sub.snapshot()
+    assert applied(sink) == list(range(10))
+    assert len(set(seen)) == 1 and ticks > seen[0]  # the ticker ran, but never mid-replay
+    await sub.stop()
     await server.close()

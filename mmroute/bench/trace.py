@@ -120,15 +120,17 @@ async def run_policy(policy: str, sims: list[SimProcess], records: list[dict[str
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", required=True, help="Mooncake JSONL trace (.jsonl or .jsonl.xz)")
-    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--requests", type=int, default=600)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--words-per-block", type=int, default=48,
                    help="synthetic words per trace hash id (scaled down from 512 tokens to fit a CPU)")
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=1200, help="KV blocks per simulated worker (cache pressure)")
-    p.add_argument("--prefill-ms-per-token", type=float, default=0.05)
+    p.add_argument("--num-blocks", type=int, default=20000, help="KV blocks per simulated worker (lower: cache pressure)")
+    p.add_argument("--prefill-ms-per-token", type=float, default=0.3)
     p.add_argument("--decode-ms-per-token", type=float, default=2.0)
+    p.add_argument("--max-concurrency", type=int, default=2,
+                   help="requests a simulated worker runs at once (more wait in its queue): engine saturation")
     p.add_argument("--policies", nargs="+", default=["kv", "round-robin", "least-loaded", "random"])
 
 
@@ -137,7 +139,8 @@ async def _main(args: argparse.Namespace) -> list[dict[str, Any]]:
     loop = asyncio.get_running_loop()
     sim_args = ["--model", demo_model_path(), "--served-model-name", "bench", "--port", "0", "--log-level", "warning",
                 "--num-blocks", str(args.num_blocks), "--prefill-ms-per-token", str(args.prefill_ms_per_token),
-                "--decode-ms-per-token", str(args.decode_ms_per_token), "--max-model-len", "131072"]
+                "--decode-ms-per-token", str(args.decode_ms_per_token), "--max-concurrency", str(args.max_concurrency),
+                "--max-model-len", "131072"]
     sims = await asyncio.gather(*(loop.run_in_executor(None, SimProcess.start, sim_args) for _ in range(args.workers)))
     try:
         return [await run_policy(p, list(sims), records, args) for p in args.policies]

@@ -30,8 +30,13 @@ or ``L`` not in the buffer -> restart: clear, count, replay the new process from
 ``first_seq``. Verification runs right away (a task) and, if that did not happen yet or
 timed out, before the rank's next live message.
 
+``request_resync`` (the index met a store with an unknown parent) clears a rank and
+replays it from ``first_seq``; it is scheduled, never run inline, and rate-limited.
+
 All processing of one stream (live messages, replays, verification, resyncs) is
 serialised by one lock; live messages arriving meanwhile wait in the SUB socket's queue.
+A replay reply is collected first and delivered in one synchronous step, so routing
+never sees a half-replayed rank.
 """
 
 from __future__ import annotations
@@ -222,8 +227,10 @@ class WorkerStream:
                 continue
             st.resync_pending = True
             chosen.append(rank)
-        if chosen:
-            self._spawn(self._resync(chosen), "kv-resync")
+        if chosen and not self._spawn(self._resync(chosen), "kv-resync"):
+            for rank in chosen:
+                self._ranks[rank].resync_pending = False
+            chosen = []
         self._on_change()
         return bool(chosen)
 
@@ -328,11 +335,7 @@ class WorkerStream:
                 try:
                     self.stats.resyncs += 1
                     log.info("kv[%s] rank %d: resync (clear + replay from %d)", self.worker_id, rank, self.first_seq)
-                    last_live = st.last_live
-                    self._invalidate(rank, st, force=True)
-                    st.reset()
-                    st.last_live = last_live  # same process: older live seqs are still not a restart
-                    await self._replay(rank, st, self.first_seq)
+                    await self._replay(rank, st, self.first_seq, reset=True)
                 finally:
                     end = time.monotonic()
                     st.resync_pending = False
@@ -343,15 +346,16 @@ class WorkerStream:
 
     # ---- internals -------------------------------------------------------------------------
 
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> bool:
         try:
             task = asyncio.get_running_loop().create_task(coro, name=f"{name}:{self.worker_id}")
         except RuntimeError:  # no running loop (called from outside asyncio)
             coro.close()
             log.warning("kv[%s]: %s requested outside the event loop; ignored", self.worker_id, name)
-            return
+            return False
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return True
 
     def _task_done(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
@@ -438,16 +442,47 @@ class WorkerStream:
         self._on_change()
 
     async def _replay(self, rank: int, st: _RankState, start: int, *,
-                      anchor: int | None = None, strict: bool = False) -> str:
+                      anchor: int | None = None, strict: bool = False, reset: bool = False) -> str:
         """Ask the replay ROUTER for every batch from ``start`` and deliver them in order.
 
         ``anchor``: the digest already applied for seq ``start``; the replayed ``start``
         must match it, else nothing is delivered and ``REPLAY_RESTART`` is returned. When
         ``start`` is no longer buffered: ``strict`` -> ``REPLAY_RESTART`` too (after a
         reconnect, a missing seq means another process), otherwise apply what follows
-        (partial, cleared). Live messages arriving meanwhile wait in the SUB socket's
-        queue; those the replay covered are dropped as duplicates afterwards.
+        (partial, cleared). ``reset``: clear the rank and forget its seq state right
+        before delivering (a resync), unless nothing at all came back.
+
+        The reply is collected first and delivered in one synchronous step: routing never
+        sees a half-replayed index (a replay from 0 passes through old states, e.g. blocks
+        a later AllBlocksCleared wipes). Live messages arriving meanwhile wait in the SUB
+        socket's queue; those the replay covered are dropped as duplicates afterwards.
         """
+        outcome, msgs = await self._fetch_replay(rank, start, anchor, strict)
+        if outcome == REPLAY_RESTART:
+            self._count_replay(outcome)
+            return outcome
+        if reset and (msgs or outcome == REPLAY_OK):
+            last_live = st.last_live
+            self._invalidate(rank, st, force=True)
+            st.reset()
+            st.last_live = last_live  # same process: its older live seqs are not a restart
+        for msg, digest in msgs:
+            expected = self.first_seq if st.last_applied is None else st.last_applied + 1
+            if msg.seq < expected:
+                continue  # already have it
+            if msg.seq > expected:
+                # The buffer no longer holds `expected` (a start older than the buffer is
+                # not an error, ENGINES.md §1.6): the hole stays, so clear.
+                if outcome == REPLAY_OK:
+                    outcome = REPLAY_PARTIAL
+                self._invalidate(rank, st)
+            self._deliver(rank, st, msg, digest)
+        self._count_replay(outcome)
+        return outcome
+
+    async def _fetch_replay(self, rank: int, start: int, anchor: int | None,
+                            strict: bool) -> tuple[str, list[tuple[KVMessage, int]]]:
+        """The replayed messages of ``rank`` from ``start`` (anchor excluded) and the outcome."""
         self.stats.replays += 1
         # A fresh DEALER per replay: replies of an earlier, timed-out or abandoned replay
         # must not be mistaken for this one's.
@@ -456,6 +491,7 @@ class WorkerStream:
         # Unbounded receive queue: the ROUTER drops replies beyond the pipe's HWM.
         sock.setsockopt(zmq.RCVHWM, 0)
         outcome = REPLAY_OK
+        msgs: list[tuple[KVMessage, int]] = []
         anchored = anchor is None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.replay_deadline
@@ -493,16 +529,8 @@ class WorkerStream:
                     if strict:
                         outcome = REPLAY_RESTART
                         break
-                    anchored = True  # `start` no longer buffered: partial, below
-                expected = self.first_seq if st.last_applied is None else st.last_applied + 1
-                if msg.seq < expected:
-                    continue  # already have it
-                if msg.seq > expected:
-                    # The buffer no longer holds `expected` (a start older than the buffer
-                    # is not an error, ENGINES.md §1.6): the hole stays, so clear.
-                    outcome = REPLAY_PARTIAL
-                    self._invalidate(rank, st)
-                self._deliver(rank, st, msg, digest)
+                    anchored = True  # `start` no longer buffered: partial, when applied
+                msgs.append((msg, digest))
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -510,5 +538,4 @@ class WorkerStream:
             log.exception("kv[%s] rank %d: replay from %d failed", self.worker_id, rank, start)
         finally:
             sock.close(linger=0)
-        self._count_replay(outcome)
-        return outcome
+        return outcome, msgs
