@@ -99,7 +99,11 @@ async def _send(ctx: AppContext, request: web.Request, prep: Prepared, route: Ro
     worker = ctx.registry.get(route.worker_id)
     view = route.views[worker.id]
     predicted = route.predicted_cached_tokens(worker.id)
-    booking = ctx.scheduler.book(worker.id, max(0, prep.prompt_tokens - predicted), prep.decode_tokens)
+    # Prefill share: the uncached prompt (released at the first token). Decode share: the
+    # KV footprint the request holds until it completes (prompt + expected output), the
+    # "active blocks" that slow every decode step of the worker.
+    booking = ctx.scheduler.book(worker.id, max(0, prep.prompt_tokens - predicted),
+                                 prep.prompt_tokens + prep.decode_tokens)
     if view.keys:
         ctx.index.insert_speculative(worker.id, view.keys, ctx.config.speculative_ttl)
     m = ctx.metrics

@@ -127,10 +127,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="synthetic words per trace hash id (scaled down from 512 tokens to fit a CPU)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=20000, help="KV blocks per simulated worker (lower: cache pressure)")
-    p.add_argument("--prefill-ms-per-token", type=float, default=0.3)
+    p.add_argument("--prefill-ms-per-token", type=float, default=0.1)
     p.add_argument("--decode-ms-per-token", type=float, default=2.0)
-    p.add_argument("--max-concurrency", type=int, default=2,
-                   help="requests a simulated worker runs at once (more wait in its queue): engine saturation")
+    p.add_argument("--max-concurrency", type=int, default=16,
+                   help="requests a simulated worker runs at once (more wait in its queue); prefills run one at a time")
     p.add_argument("--policies", nargs="+", default=["kv", "round-robin", "least-loaded", "random"])
 
 

@@ -41,6 +41,7 @@ class Runner:
         self.max_concurrency = max_concurrency
         self.prefill_s = prefill_ms_per_token / 1000.0
         self.decode_s = decode_ms_per_token / 1000.0
+        self._prefill_lock = asyncio.Lock()
         self._waiters: deque[asyncio.Future[None]] = deque()
         self.waiting = 0
         self.finished_requests = 0
@@ -80,7 +81,12 @@ class Runner:
     async def generate(self, seq: Any, num_prompt: int, cached: int, max_new_tokens: int) -> AsyncIterator[tuple[int, str]]:
         """Yield ``max_new_tokens`` (token id, text) pairs after the prefill latency.
         The caller must ``release(seq)`` afterwards (also when it stops early)."""
-        await asyncio.sleep(self.prefill_s * max(num_prompt - cached, 0))
+        if self.prefill_s:
+            # One prefill at a time: a GPU's prefill throughput (tokens/s) is shared by the
+            # requests waiting for it, so the time to first token grows with the uncached
+            # tokens queued ahead -- the quantity a KV-aware router trades against hits.
+            async with self._prefill_lock:
+                await asyncio.sleep(self.prefill_s * max(num_prompt - cached, 0))
         n = len(self.filler)
         for i in range(max_new_tokens):
             if i:
