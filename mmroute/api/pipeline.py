@@ -184,7 +184,11 @@ async def prepare(ctx: "AppContext", endpoint: str, body: Any) -> Prepared:
             prep.fallback = exc.reason
     else:  # pragma: no cover - handlers only pass the two
         raise bad_request(f"unknown endpoint {endpoint!r}")
-    ctx.metrics.observe_stage("render", time.perf_counter() - t0)
+    if prep.prompt is not None and prep.prompt.stage_seconds:
+        for stage, secs in prep.prompt.stage_seconds.items():
+            ctx.metrics.observe_stage(stage, secs)
+    else:  # remote /tokenize, or nothing to render
+        ctx.metrics.observe_stage("tokenize", time.perf_counter() - t0)
     if prep.prompt is not None:
         ctx.renderer.check_length(prep.prompt, _int_field(body, "max_completion_tokens") or _int_field(body, "max_tokens"))
         if prep.prompt.fallback:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -69,10 +70,17 @@ class RenderedPrompt:
     fallback: str | None = None  # why not exact; token_ids is then a safe prefix
     num_images: int = 0
     num_tokens: int | None = None  # best known prompt length (fallbacks: a lower bound)
+    # Seconds spent per stage ("render": chat template, "tokenize": ids + image expansion).
+    stage_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def length(self) -> int:
         return self.num_tokens if self.num_tokens is not None else len(self.token_ids)
+
+
+def _stages(t0: float, t1: float) -> dict[str, float]:
+    """Stage timings of a render that started at ``t0`` and finished templating at ``t1``."""
+    return {"render": t1 - t0, "tokenize": time.perf_counter() - t1}
 
 
 def image_url_of(part: Mapping[str, Any]) -> str | None:
@@ -246,10 +254,12 @@ class Renderer:
         conversation, n_images = self._conversation(messages, fmt, drop_images=False)
         if len(images) != n_images:
             raise ValueError(f"render_chat got {len(images)} images for {n_images} image parts")
+        t0 = time.perf_counter()
         text = self._render(compiled, conversation, tools, kwargs)
+        t1 = time.perf_counter()
         ids = self.tokenizer.encode(text, add_special)
         if n_images == 0:
-            return RenderedPrompt(ids, [], text, None, 0, len(ids))
+            return RenderedPrompt(ids, [], text, None, 0, len(ids), _stages(t0, t1))
 
         family = self.family
         if family is None:
@@ -260,12 +270,12 @@ class Renderer:
             try:
                 resolved = [im for im in images if im is not None]
                 expanded, items = self._expand(family, text, ids, resolved, add_special)
-                return RenderedPrompt(expanded, items, text, None, n_images, len(expanded))
+                return RenderedPrompt(expanded, items, text, None, n_images, len(expanded), _stages(t0, t1))
             except ExpansionError as exc:
                 reason = exc.reason or "expansion"
                 log.debug("image expansion failed (%s): %s", reason, exc)
         prefix = self._fallback_prefix(compiled, messages, fmt, tools, kwargs, text, ids, add_special)
-        return RenderedPrompt(prefix, [], text, reason, n_images, len(ids))
+        return RenderedPrompt(prefix, [], text, reason, n_images, len(ids), _stages(t0, t1))
 
     def _expand(
         self, family: VisionFamily, text: str, ids: list[int], images: Sequence[ImageInput], add_special: bool
@@ -425,8 +435,9 @@ class Renderer:
         if isinstance(prompt, str):
             if prompt == "":
                 raise RouterError(400, "The prompt cannot be empty.", param="prompt")
+            t0 = time.perf_counter()
             ids = self.tokenizer.encode(prompt, add_special)
-            return RenderedPrompt(ids, [], prompt, None, 0, len(ids))
+            return RenderedPrompt(ids, [], prompt, None, 0, len(ids), _stages(t0, t0))
         if isinstance(prompt, list):
             if not prompt:
                 raise RouterError(400, "The prompt cannot be empty.", param="prompt")
