@@ -143,7 +143,6 @@ async def _send(ctx: AppContext, request: web.Request, prep: Prepared, route: Ro
         if status == 200 and worker.backend == "sglang" and prep.has_mm and view.mm_exact:
             ctx.check_sglang_mm_hashes(worker, view.keys, min(it.offset for it in prep.prompt.mm_items),
                                        route.block_size)
-        ctx.refresh_gauges()
 
 
 def _include_usage(body: dict[str, Any]) -> bool:
