@@ -117,13 +117,14 @@ def test_llava_next_without_config_uses_processor_geometry():
     assert fam.pinpoints == ((336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008))
 
 
-# ---- with the project's own loaders (models.files / render.tokenizer), when present ----
+# ---- with the project's own loaders (models.files / render.tokenizer) ----
 
 
 def _project_loaders():
-    files_mod = pytest.importorskip("mmroute.models.files")
-    tok_mod = pytest.importorskip("mmroute.render.tokenizer")
-    return files_mod.ModelFiles, tok_mod.ModelTokenizer
+    from mmroute.models.files import ModelFiles
+    from mmroute.render.tokenizer import ModelTokenizer
+
+    return ModelFiles, ModelTokenizer
 
 
 @pytest.mark.parametrize("model", [QWEN25, LLAVA, LLAVA_NEXT, PHI3V])
