@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import aiohttp
 
@@ -39,6 +40,17 @@ def start_sims(n: int, model: str, extra: list[str] | None = None, per_worker: l
 
     with ThreadPoolExecutor(n) as ex:
         return list(ex.map(one, range(n)))
+
+
+@contextlib.contextmanager
+def running_sims(n: int, model: str, extra: list[str] | None = None) -> Iterator[list[SimProcess]]:
+    """``start_sims``, stopped again on exit (the body of a module-scoped fixture)."""
+    procs = start_sims(n, model, extra)
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
 
 
 @dataclass

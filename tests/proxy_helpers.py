@@ -7,7 +7,7 @@ import contextlib
 import json
 import socket
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable, ClassVar
 
 from aiohttp import web
 
@@ -78,3 +78,57 @@ def sse(obj: Any) -> bytes:
 
 def upstream_for_tests(**kw: Any) -> Upstream:
     return Upstream(connect_timeout=kw.pop("connect_timeout", 5.0), request_timeout=kw.pop("request_timeout", 30.0), **kw)
+
+
+class FakeWorker:
+    """A fake engine: one POST route (``path``, set by a subclass) whose behaviour each test
+    sets with ``handler(fake, request)``; records what it received and whether the proxy
+    cancelled the request."""
+
+    path: ClassVar[str]
+
+    def __init__(self, handler: Callable[[Any, web.Request], Awaitable[web.StreamResponse]]) -> None:
+        self.handler = handler
+        self.bodies: list[dict] = []
+        self.headers: list = []
+        self.gate = asyncio.Event()
+        self.cancelled = asyncio.Event()
+        self.received = asyncio.Event()
+        self.app = web.Application()
+        self.app.router.add_post(self.path, self._route)
+
+    async def _route(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(await request.json())
+        self.headers.append(request.headers.copy())
+        self.received.set()
+        try:
+            return await self.handler(self, request)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+@contextlib.asynccontextmanager
+async def mini_router(
+    path: str,
+    forward: Callable[[web.Request], Awaitable[web.StreamResponse]],
+    upstream: Upstream,
+    *,
+    handler_cancellation: bool = False,
+) -> AsyncIterator[str]:
+    """A minimal router on ``path``: ``forward`` is the api's handler minus routing, a
+    ``RetryableUpstreamError`` answers ``RETRY_STATUS``. Yields the URL; closes ``upstream``."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        try:
+            return await forward(request)
+        except RetryableUpstreamError as e:
+            return retry_response(e)
+
+    app = web.Application()
+    app.router.add_post(path, handle)
+    try:
+        async with serve(app, handler_cancellation=handler_cancellation) as url:
+            yield url
+    finally:
+        await upstream.close()

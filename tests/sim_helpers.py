@@ -6,6 +6,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+import zmq
+
+from mmroute.sim.publisher import END_SEQ
 from mmroute.sim.wire import Cleared, Record, Removed, Stored
 
 CAPTURES = Path(__file__).parent / "fixtures" / "kv_events"
@@ -61,3 +64,25 @@ def records_of(decoded_events: list[Any], *, bytes_hashes: bool = False) -> list
 def stored_tokens(line: dict[str, Any], index: int = 0) -> list[int]:
     events = [as_map(e) for e in line["decoded"][1]]
     return [e for e in events if e["type"] == "BlockStored"][index]["token_ids"]
+
+
+def replay_frames(
+    ctx: zmq.Context, endpoint: str, start: int, frames: list[bytes] | None = None, before: Any = ()
+) -> list[list[bytes]]:
+    """Ask a replay ROUTER for every batch from ``start`` (after sending the raw requests in
+    ``before``; ``frames`` replaces the request); every reply up to the END_SEQ one."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.RCVTIMEO, 10_000)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    for bad in before:
+        dealer.send_multipart(bad)
+    dealer.send_multipart(frames or [b"", start.to_bytes(8, "big")])
+    out = []
+    while True:
+        msg = dealer.recv_multipart()
+        out.append(msg)
+        if END_SEQ in msg:
+            break
+    dealer.close()
+    return out

@@ -3,7 +3,6 @@ status: never a hang, a stack trace or a leaked booking."""
 
 from __future__ import annotations
 
-import socket
 
 import aiohttp
 import pytest
@@ -12,7 +11,8 @@ from aiohttp import web
 from mmroute.api.app import start_background
 from mmroute.api.context import AppContext
 from mmroute.config import RouterConfig, WorkerSpec
-from tests.e2e_helpers import QWEN25_VL, metric_value, start_fleet, start_sims
+from tests.e2e_helpers import QWEN25_VL, metric_value, running_sims, start_fleet
+from tests.proxy_helpers import free_port
 
 pytestmark = pytest.mark.asyncio
 
@@ -21,10 +21,8 @@ HELLO = [{"role": "user", "content": "hello"}]
 
 @pytest.fixture(scope="module")
 def sims():
-    procs = start_sims(1, QWEN25_VL)
-    yield procs
-    for p in procs:
-        p.stop()
+    with running_sims(1, QWEN25_VL) as procs:
+        yield procs
 
 
 @pytest.fixture
@@ -155,16 +153,8 @@ async def test_worker_4xx_passes_through_unchanged(fleet):
     assert headers["x-mmroute-worker"] == "w0"
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 async def test_no_healthy_worker_is_503_with_retry_after():
-    dead = f"http://127.0.0.1:{_free_port()},kv=tcp://127.0.0.1:{_free_port()},name=dead"
+    dead = f"http://127.0.0.1:{free_port()},kv=tcp://127.0.0.1:{free_port()},name=dead"
     cfg = RouterConfig(model=QWEN25_VL, served_model_name=["m"], port=0, workers=[WorkerSpec.parse(dead)],
                        health_interval=0.2)
     ctx = AppContext(cfg)
@@ -205,7 +195,7 @@ async def test_5xx_before_first_byte_retries_on_next_worker(sims):
     bport = site._server.sockets[0].getsockname()[1]
     good = sims[0]
     cfg = RouterConfig(model=QWEN25_VL, served_model_name=["m"], port=0, policy="round-robin", health_interval=0.5,
-                       workers=[WorkerSpec.parse(f"http://127.0.0.1:{bport},kv=tcp://127.0.0.1:{_free_port()},name=bad"),
+                       workers=[WorkerSpec.parse(f"http://127.0.0.1:{bport},kv=tcp://127.0.0.1:{free_port()},name=bad"),
                                 WorkerSpec.parse(good.spec(name="good"))])
     ctx = AppContext(cfg)
     rrunner, port = await start_background(cfg, ctx)

@@ -46,6 +46,7 @@ from mmroute.sim.config import config_from_args
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_SCRIPT = ROOT / "bin" / "launch-vllm-workers.sh"
 SGLANG_SCRIPT = ROOT / "bin" / "launch-sglang-workers.sh"
+WORKERS_LIB = ROOT / "bin" / "lib" / "workers.sh"  # sourced by both launchers
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 COMPOSE = ROOT / "docker" / "compose.yaml"
 DEMO_MODEL = str(ROOT / "mmroute" / "demo_model")
@@ -87,6 +88,18 @@ def _stub(tmp_path: Path, kind: str) -> Path:
     path.write_text(_STUB.format(python=sys.executable, kind=kind))
     path.chmod(0o755)
     return path
+
+
+def _launch_env(tmp_path: Path, kind: str) -> tuple[int, int, Path, dict[str, str]]:
+    """(HTTP base port, KV base port, record dir, environment) of a launcher run with the
+    ``kind`` stand-in: 2 HTTP and 4 KV ports free, logs and records under ``tmp_path``."""
+    http, kvb = _port_block(2), _port_block(4)
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    exe = "VLLM" if kind == "vllm" else "SGLANG_PYTHON"
+    env = {exe: str(_stub(tmp_path, kind)), "BASE_PORT": str(http), "KV_BASE": str(kvb),
+           "LOG_DIR": str(tmp_path / "logs"), "TIMEOUT": str(int(WAIT)), "STUB_RECORD_DIR": str(rec)}
+    return http, kvb, rec, env
 
 
 def _port_block(n: int) -> int:
@@ -261,7 +274,7 @@ def test_script_syntax(script: Path) -> None:
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (apt-get install shellcheck)")
-@pytest.mark.parametrize("script", [VLLM_SCRIPT, SGLANG_SCRIPT], ids=lambda p: p.name)
+@pytest.mark.parametrize("script", [VLLM_SCRIPT, SGLANG_SCRIPT, WORKERS_LIB], ids=lambda p: p.name)
 def test_script_shellcheck(script: Path) -> None:
     r = subprocess.run(["shellcheck", str(script)], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -285,12 +298,8 @@ def test_script_usage_errors(script: Path, tmp_path: Path) -> None:
 
 
 async def test_vllm_launcher_end_to_end(tmp_path: Path) -> None:
-    http, kvb = _port_block(2), _port_block(4)
-    rec = tmp_path / "rec"
-    rec.mkdir()
-    env = {"VLLM": str(_stub(tmp_path, "vllm")), "BASE_PORT": str(http), "KV_BASE": str(kvb),
-           "LOG_DIR": str(tmp_path / "logs"), "TIMEOUT": str(int(WAIT)), "GPU_OFFSET": "2",
-           "STUB_RECORD_DIR": str(rec), "PYTHONPATH": str(ROOT)}
+    http, kvb, rec, env = _launch_env(tmp_path, "vllm")
+    env.update(GPU_OFFSET="2", PYTHONPATH=str(ROOT))
     launch = Launch(VLLM_SCRIPT, ["2", DEMO_MODEL, "--served-model-name", "demo", "--max-num-seqs", "8"], env)
     runner = None
     try:
@@ -338,12 +347,8 @@ async def test_vllm_launcher_end_to_end(tmp_path: Path) -> None:
 
 
 def test_vllm_launcher_names_the_worker_that_exits(tmp_path: Path) -> None:
-    http, kvb = _port_block(2), _port_block(4)
-    rec = tmp_path / "rec"
-    rec.mkdir()
-    env = {"VLLM": str(_stub(tmp_path, "vllm")), "BASE_PORT": str(http), "KV_BASE": str(kvb),
-           "LOG_DIR": str(tmp_path / "logs"), "TIMEOUT": str(int(WAIT)), "STUB_RECORD_DIR": str(rec),
-           "STUB_HANG_PORTS": str(http), "STUB_EXIT_PORTS": str(http + 1)}
+    http, kvb, rec, env = _launch_env(tmp_path, "vllm")
+    env.update(STUB_HANG_PORTS=str(http), STUB_EXIT_PORTS=str(http + 1))
     launch = Launch(VLLM_SCRIPT, ["2", "m"], env)
     try:
         assert launch.wait() == 1
@@ -358,12 +363,8 @@ def test_vllm_launcher_names_the_worker_that_exits(tmp_path: Path) -> None:
 
 
 def test_vllm_launcher_times_out_naming_workers(tmp_path: Path) -> None:
-    http, kvb = _port_block(2), _port_block(4)
-    rec = tmp_path / "rec"
-    rec.mkdir()
-    env = {"VLLM": str(_stub(tmp_path, "vllm")), "BASE_PORT": str(http), "KV_BASE": str(kvb),
-           "LOG_DIR": str(tmp_path / "logs"), "TIMEOUT": "1", "STUB_RECORD_DIR": str(rec),
-           "STUB_HANG_PORTS": f"{http},{http + 1}"}
+    http, kvb, rec, env = _launch_env(tmp_path, "vllm")
+    env.update(TIMEOUT="1", STUB_HANG_PORTS=f"{http},{http + 1}")
     launch = Launch(VLLM_SCRIPT, ["2", "m"], env)
     try:
         assert launch.wait() == 1
@@ -381,12 +382,8 @@ def test_vllm_launcher_times_out_naming_workers(tmp_path: Path) -> None:
 
 
 async def test_sglang_launcher_end_to_end(tmp_path: Path) -> None:
-    http, kvb = _port_block(2), _port_block(4)
-    rec = tmp_path / "rec"
-    rec.mkdir()
-    env = {"SGLANG_PYTHON": str(_stub(tmp_path, "sglang")), "BASE_PORT": str(http), "KV_BASE": str(kvb),
-           "LOG_DIR": str(tmp_path / "logs"), "TIMEOUT": str(int(WAIT)), "GPUS_PER_WORKER": "2",
-           "STUB_RECORD_DIR": str(rec), "PYTHONPATH": str(ROOT)}
+    http, kvb, rec, env = _launch_env(tmp_path, "sglang")
+    env.update(GPUS_PER_WORKER="2", PYTHONPATH=str(ROOT))
     launch = Launch(SGLANG_SCRIPT, ["2", DEMO_MODEL, "--served-model-name", "demo"], env)
     runner = None
     try:

@@ -4,7 +4,6 @@ collector mode, the vLLM <= 0.23 wire era, LoRA and cache_salt keys, streaming."
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 
@@ -12,8 +11,9 @@ from mmroute.api.app import start_background
 from mmroute.api.context import AppContext
 from mmroute.config import RouterConfig, WorkerSpec
 from mmroute.demo import SimProcess
-from tests.e2e_helpers import (QWEN25_VL, Fleet, data_url, image_message, metric_value, png_bytes, start_fleet,
-                               start_sims)
+from tests.e2e_helpers import (QWEN25_VL, Fleet, data_url, image_message, metric_value, png_bytes, running_sims,
+                               start_fleet, start_sims)
+from tests.proxy_helpers import free_port
 
 pytestmark = pytest.mark.asyncio
 
@@ -40,10 +40,8 @@ async def _assert_repeat_hits(fleet: Fleet, body: dict, path: str = "/v1/chat/co
 
 @pytest.fixture(scope="module")
 def sims():
-    procs = start_sims(2, QWEN25_VL, ["--lora-modules", "sql-adapter=/adapters/sql"])
-    yield procs
-    for p in procs:
-        p.stop()
+    with running_sims(2, QWEN25_VL, ["--lora-modules", "sql-adapter=/adapters/sql"]) as procs:
+        yield procs
 
 
 async def test_remote_tokenization_routes_exactly(sims):
@@ -141,16 +139,8 @@ async def test_vllm_023_wire_era_with_lora_and_images():
         await fleet.close()
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
 async def test_collector_mode_publishers_connect_to_the_router():
-    bind = f"tcp://127.0.0.1:{_free_port()}"
+    bind = f"tcp://127.0.0.1:{free_port()}"
     # Publishers *connect* (no "*" in the endpoint, as vLLM does); the topic names the worker.
     sims = [SimProcess.start(["--model", QWEN25_VL, "--served-model-name", "m", "--port", "0", "--log-level", "warning",
                               "--kv-endpoint", bind, "--topic", name, "--replay-endpoint", "none"])

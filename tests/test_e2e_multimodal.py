@@ -17,7 +17,8 @@ from aiohttp import web
 from mmroute.api.context import AppContext
 from mmroute.config import RouterConfig, WorkerSpec
 from mmroute.media.identity import image_identifier
-from tests.e2e_helpers import QWEN25_VL, data_url, image_message, metric_value, png_bytes, start_fleet, start_sims
+from tests.e2e_helpers import QWEN25_VL, data_url, image_message, metric_value, png_bytes, running_sims, start_fleet
+from tests.proxy_helpers import serve
 
 pytestmark = pytest.mark.asyncio
 
@@ -27,10 +28,8 @@ SYSTEM = {"role": "system", "content": "You describe pictures for a catalogue. "
 
 @pytest.fixture(scope="module")
 def sims():
-    procs = start_sims(3, QWEN25_VL, ["--num-blocks", "4096"])
-    yield procs
-    for p in procs:
-        p.stop()
+    with running_sims(3, QWEN25_VL, ["--num-blocks", "4096"]) as procs:
+        yield procs
 
 
 @pytest.fixture
@@ -48,13 +47,8 @@ async def image_server():
 
     app = web.Application()
     app.router.add_get("/img/{name}", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}/img/", images, hits
-    await runner.cleanup()
+    async with serve(app, handler_cancellation=False) as url:
+        yield f"{url}/img/", images, hits
 
 
 def _conv(url: str, text: str = "What is in this image?") -> list[dict]:

@@ -13,8 +13,8 @@ import asyncio
 import aiohttp
 import pytest
 
-from tests.e2e_helpers import (QWEN25_VL, Fleet, data_url, image_message, metric_value, png_bytes, start_fleet,
-                               start_sims)
+from tests.e2e_helpers import (QWEN25_VL, Fleet, data_url, image_message, metric_value, png_bytes, running_sims,
+                               start_fleet, start_sims)
 
 pytestmark = pytest.mark.asyncio
 
@@ -67,10 +67,8 @@ async def _repeat_lands_on_holder(fleet: Fleet, conv: list[dict], times: int = 3
 
 @pytest.fixture(scope="module")
 def sglang_sims():
-    procs = start_sims(3, QWEN25_VL, ["--backend", "sglang", "--block-size", str(PS), "--num-blocks", "8192"])
-    yield procs
-    for p in procs:
-        p.stop()
+    with running_sims(3, QWEN25_VL, ["--backend", "sglang", "--block-size", str(PS), "--num-blocks", "8192"]) as procs:
+        yield procs
 
 
 async def test_sglang_fleet_discovery_text_and_images(sglang_sims):

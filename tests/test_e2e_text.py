@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from tests.e2e_helpers import QWEN25_VL, metric_value, start_fleet, start_sims
+from tests.e2e_helpers import QWEN25_VL, metric_value, running_sims, start_fleet, start_sims
 
 pytestmark = pytest.mark.asyncio
 
@@ -30,10 +30,8 @@ def _conversation(i: int, rng: random.Random) -> list[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def sims():
-    procs = start_sims(3, QWEN25_VL, ["--num-blocks", "2048", "--block-size", str(BS)])
-    yield procs
-    for p in procs:
-        p.stop()
+    with running_sims(3, QWEN25_VL, ["--num-blocks", "2048", "--block-size", str(BS)]) as procs:
+        yield procs
 
 
 async def _cached(data: dict) -> int:

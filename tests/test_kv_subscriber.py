@@ -190,6 +190,16 @@ async def started(sub):
     return sub
 
 
+async def subscribed(
+    net: Net, pub: Publisher, sink: RecordingSink, server: ReplayServer | None = None, **kw
+) -> KVSubscriber:
+    """A started KVSubscriber "w1" on ``pub`` (replaying from ``server``), once ``pub`` has its subscription."""
+    replay = server.endpoint if server is not None else None
+    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=replay, ctx=net.ctx, **kw))
+    await pub.wait_subscribed()
+    return sub
+
+
 def applied(sink: RecordingSink, worker="w1", rank=0) -> list[int]:
     return [e[3] for e in sink.log if e[0] == "apply" and e[1] == worker and e[2] == rank]
 
@@ -226,8 +236,7 @@ async def test_join_after_start_replays_from_zero_sglang(net):
     server = ReplayServer(net, cap)
     sink = RecordingSink(cap)
     metrics = Metrics()
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx, metrics=metrics))
-    await pub.wait_subscribed()
+    sub = await subscribed(net, pub, sink, server, metrics=metrics)
     await publish(pub, cap, server, 1)
     assert await sub.wait_for(lambda s: s.messages_applied == 2, TIMEOUT), sub.snapshot()
     assert server.requests == [0]
@@ -253,8 +262,7 @@ async def test_gap_replay_three_frame_layout_vllm023(net):
     server = ReplayServer(net, cap)
     sink = RecordingSink(cap)
     metrics = Metrics()
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx, metrics=metrics))
-    await pub.wait_subscribed()
+    sub = await subscribed(net, pub, sink, server, metrics=metrics)
     await publish(pub, cap, server, 0)
     assert await sub.wait_for(lambda s: s.messages_applied == 1, TIMEOUT)
     server.max_seq = 1  # seq 1 published but lost on the way
@@ -275,8 +283,7 @@ async def test_live_messages_during_replay_are_buffered_then_applied(net):
     pub = Publisher(net)
     server = ReplayServer(net, cap)
     sink = RecordingSink(cap)
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx))
-    await pub.wait_subscribed()
+    sub = await subscribed(net, pub, sink, server)
     await publish(pub, cap, server, 0, 1)
     assert await sub.wait_for(lambda s: s.messages_applied == 2, TIMEOUT)
     server.gate.clear()
@@ -298,8 +305,7 @@ async def test_gap_without_replay_endpoint_clears(net):
     cap = Capture("vllm-0.33.0")
     pub = Publisher(net)
     sink = RecordingSink(cap)
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=net.ctx))
-    await pub.wait_subscribed()
+    sub = await subscribed(net, pub, sink)
     await publish(pub, cap, None, 0, 1, 3, 4)
     assert await sub.wait_for(lambda s: s.last_seq == 4, TIMEOUT), sub.snapshot()
     assert sink.log == [("apply", "w1", 0, 0), ("apply", "w1", 0, 1), ("clear", "w1", 0),
@@ -312,8 +318,7 @@ async def test_first_message_without_replay_is_applied(net):
     cap = Capture("sglang-0.5.22")
     pub = Publisher(net)
     sink = RecordingSink(cap)
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=net.ctx))
-    await pub.wait_subscribed()
+    sub = await subscribed(net, pub, sink)
     await publish(pub, cap, None, 2, 3, 3, 4)  # joined late, and one duplicate
     assert await sub.wait_for(lambda s: s.messages_seen == 4, TIMEOUT), sub.snapshot()
     assert sink.log == [("apply", "w1", 0, s) for s in (2, 3, 4)]
@@ -326,8 +331,7 @@ async def test_restart_clears_then_applies(net):
     pub = Publisher(net)
     sink = RecordingSink(cap)
     metrics = Metrics()
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=net.ctx, metrics=metrics))
-    await pub.wait_subscribed()
+    sub = await subscribed(net, pub, sink, metrics=metrics)
     await publish(pub, cap, None, 0, 1, 2, 0, 1)
     assert await sub.wait_for(lambda s: s.messages_seen == 5, TIMEOUT), sub.snapshot()
     assert sink.log == [("apply", "w1", 0, 0), ("apply", "w1", 0, 1), ("apply", "w1", 0, 2),
@@ -343,8 +347,7 @@ async def test_restart_with_replay_refills_from_zero(net):
     pub = Publisher(net)
     server = ReplayServer(net, old)
     sink = RecordingSink()
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx))
-    await pub.wait_subscribed()
+    sub = await subscribed(net, pub, sink, server)
     await publish(pub, old, server, 0, 1, 2)
     assert await sub.wait_for(lambda s: s.messages_applied == 3, TIMEOUT)
     server.capture, server.max_seq = new, 1  # restarted engine: new buffer, seq 0 lost
@@ -364,9 +367,7 @@ async def test_replay_timeout_clears_and_continues(net):
     server = ReplayServer(net, cap, silent=True)
     sink = RecordingSink(cap)
     metrics = Metrics()
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx,
-                                     metrics=metrics, replay_timeout=0.2))
-    await pub.wait_subscribed()
+    sub = await subscribed(net, pub, sink, server, metrics=metrics, replay_timeout=0.2)
     await publish(pub, cap, server, 0, 2, 3)
     assert await sub.wait_for(lambda s: s.last_seq == 3, TIMEOUT), sub.snapshot()
     assert sink.log == [("apply", "w1", 0, 0), ("clear", "w1", 0), ("apply", "w1", 0, 2), ("apply", "w1", 0, 3)]
@@ -382,8 +383,7 @@ async def test_garbage_is_counted_and_subscriber_keeps_working(net):
     pub = Publisher(net)
     sink = RecordingSink()
     metrics = Metrics()
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=net.ctx, metrics=metrics))
-    await pub.wait_subscribed()
+    sub = await subscribed(net, pub, sink, metrics=metrics)
     await pub.send([b"kv-events", b"\x00" * 8, b"\xc1not msgpack"])
     await pub.send([b"kv-events"])
     await pub.send([b"kv-events", b"\x00\x01", cap.live[0][2]])
@@ -408,8 +408,7 @@ async def test_sink_exception_does_not_kill_the_loop(net):
     sink = RecordingSink(cap)
     sink.fail_next = 1
     metrics = Metrics()
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=net.ctx, metrics=metrics))
-    await pub.wait_subscribed()
+    sub = await subscribed(net, pub, sink, metrics=metrics)
     await publish(pub, cap, None, 0, 1)
     assert await sub.wait_for(lambda s: s.messages_seen == 2, TIMEOUT), sub.snapshot()
     # failed batch: the rank is cleared (half-applied), the next one applies normally
@@ -498,8 +497,7 @@ async def test_replay_older_than_buffer_is_partial_and_clears(net):
     server = ReplayServer(net, cap)
     del cap.replay[0], cap.replay[1], cap.replay[2]  # the engine's buffer already dropped them
     sink = RecordingSink(cap)
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx))
-    await pub.wait_subscribed()
+    sub = await subscribed(net, pub, sink, server)
     await publish(pub, cap, server, 0)
     server.max_seq = 4
     await publish(pub, cap, server, 4)
@@ -522,9 +520,7 @@ async def test_restart_first_seen_at_last_seq_is_detected_by_digest(net):
     server = ReplayServer(net, old)
     sink = RecordingSink()
     metrics = Metrics()
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx,
-                                     metrics=metrics))
-    await pub.wait_subscribed()
+    sub = await subscribed(net, pub, sink, server, metrics=metrics)
     await publish(pub, old, server, 0, 1, 2)
     assert await sub.wait_for(lambda s: s.messages_applied == 3, TIMEOUT)
     server.capture, server.max_seq = new, 2
@@ -544,8 +540,7 @@ async def test_restart_at_last_seq_without_replay_clears_and_applies(net):
     old, new = Capture("vllm-0.33.0"), Capture("vllm-0.33.0_bytes-hashes")
     pub = Publisher(net)
     sink = RecordingSink()
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=net.ctx))
-    await pub.wait_subscribed()
+    sub = await subscribed(net, pub, sink)
     await publish(pub, old, None, 0, 1)
     await publish(pub, new, None, 1, 2)
     assert await sub.wait_for(lambda s: s.messages_seen == 4, TIMEOUT), sub.snapshot()
@@ -561,8 +556,7 @@ async def test_genuine_duplicate_is_ignored(net):
     pub = Publisher(net)
     server = ReplayServer(net, cap)
     sink = RecordingSink(cap)
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx))
-    await pub.wait_subscribed()
+    sub = await subscribed(net, pub, sink, server)
     await publish(pub, cap, server, 0, 1, 1, 2, 2)
     assert await sub.wait_for(lambda s: s.messages_seen == 5, TIMEOUT), sub.snapshot()
     assert sink.log == [("apply", "w1", 0, s) for s in range(3)]
@@ -581,9 +575,7 @@ async def test_same_process_reconnect_replays_missed_messages(net):
     server = ReplayServer(net, cap)
     sink = RecordingSink(cap)
     metrics = Metrics()
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx,
-                                     metrics=metrics))
-    await pub.wait_subscribed()
+    sub = await subscribed(net, pub, sink, server, metrics=metrics)
     await publish(pub, cap, server, 0, 1)
     assert await sub.wait_for(lambda s: s.messages_applied == 2 and s.connected, TIMEOUT)
     await pub.restart(net)
@@ -609,8 +601,7 @@ async def test_restart_after_reconnect_continuing_seq_is_detected(net):
     pub = Publisher(net)
     server = ReplayServer(net, old)
     sink = RecordingSink()
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx))
-    await pub.wait_subscribed()
+    sub = await subscribed(net, pub, sink, server)
     await publish(pub, old, server, 0, 1, 2)
     assert await sub.wait_for(lambda s: s.messages_applied == 3 and s.connected, TIMEOUT)
     await pub.restart(net)
@@ -635,8 +626,7 @@ async def test_restart_after_reconnect_with_empty_buffer_is_detected(net):
     pub = Publisher(net)
     server = ReplayServer(net, old)
     sink = RecordingSink()
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx))
-    await pub.wait_subscribed()
+    sub = await subscribed(net, pub, sink, server)
     await publish(pub, old, server, 0, 1, 2)
     assert await sub.wait_for(lambda s: s.messages_applied == 3 and s.connected, TIMEOUT)
     server.capture, server.max_seq = new, -1
@@ -662,9 +652,7 @@ async def test_restart_seen_as_gap_is_a_restart_not_a_partial_replay(net):
     server = ReplayServer(net, old)
     sink = RecordingSink()
     metrics = Metrics()
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx,
-                                     metrics=metrics))
-    await pub.wait_subscribed()
+    sub = await subscribed(net, pub, sink, server, metrics=metrics)
     await publish(pub, old, server, 0, 1)
     assert await sub.wait_for(lambda s: s.messages_applied == 2, TIMEOUT)
     server.capture, server.max_seq = new, 4
@@ -717,8 +705,7 @@ async def test_request_resync_without_replay_endpoint_only_counts(net):
     cap = Capture("vllm-0.33.0")
     pub = Publisher(net)
     sink = RecordingSink(cap)
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, ctx=net.ctx, resync_interval=3600))
-    await pub.wait_subscribed()
+    sub = await subscribed(net, pub, sink, resync_interval=3600)
     await publish(pub, cap, None, 0)
     assert await sub.wait_for(lambda s: s.messages_applied == 1, TIMEOUT)
     assert sub.request_resync() is False and sub.request_resync(0) is False
@@ -775,8 +762,7 @@ async def test_replay_is_delivered_in_one_step(net):
     seen: list[int] = []
     sink.on_apply = lambda b: seen.append(ticks)
     net.tasks.append(asyncio.get_running_loop().create_task(ticker()))
-    sub = await started(KVSubscriber("w1", pub.endpoint, sink, replay_endpoint=server.endpoint, ctx=net.ctx))
-    await pub.wait_subscribed()
+    sub = await subscribed(net, pub, sink, server)
     await publish(pub, cap, server, 9)  # the reset; 0..8 only come by replay
     assert await sub.wait_for(lambda s: s.last_seq == 9 and s.stats.duplicates == 1, TIMEOUT), sub.snapshot()
     assert applied(sink) == list(range(10))

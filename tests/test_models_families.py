@@ -22,22 +22,18 @@ from mmroute.models.phi3v import Phi3VFamily
 from mmroute.models.qwen_vl import QwenVLFamily
 from mmroute.models.registry import detect_family
 
-from models_helpers import (
+from fixture_models import (
     GEMMA3,
-    LLAVA,
+    LLAVA15,
     LLAVA_NEXT,
     PHI3V,
-    QWEN2,
-    QWEN25,
-    QWEN3,
-    QWEN3_EMB,
+    QWEN2_VL,
+    QWEN25_VL,
+    QWEN3_VL,
+    QWEN3_EMBED,
     expand_compact,
-    expected_image_tokens,
-    expected_prompts,
-    files,
-    parse_size,
-    tokenizer,
 )
+from models_helpers import expected_image_tokens, expected_prompts, files, parse_size, tokenizer
 
 # ---------------------------------------------------------------- independent references
 
@@ -153,7 +149,7 @@ def family(model: str):
 
 
 class TestQwenCounts:
-    @pytest.mark.parametrize("model", [QWEN2, QWEN25])
+    @pytest.mark.parametrize("model", [QWEN2_VL, QWEN25_VL])
     def test_fixture_vectors_qwen2(self, model):
         fam = family(model)
         for key, exp in expected_image_tokens()["Qwen2-VL / Qwen2.5-VL (patch 14, merge 2, min 3136, max 12845056)"].items():
@@ -163,7 +159,7 @@ class TestQwenCounts:
             assert fam.num_image_tokens(w, h) == exp["tokens"], key
 
     def test_fixture_vectors_qwen3(self):
-        fam = family(QWEN3)
+        fam = family(QWEN3_VL)
         for key, exp in expected_image_tokens()["Qwen3-VL-*-Instruct defaults (patch 16, merge 2, shortest_edge 65536, longest_edge 16777216)"].items():
             w, h = parse_size(key)
             assert list(fam.resized(w, h)) == exp["resized_hw"], key
@@ -171,20 +167,20 @@ class TestQwenCounts:
             assert fam.num_image_tokens(w, h) == exp["tokens"], key
 
     def test_engines_table(self):
-        q25, q3 = family(QWEN25), family(QWEN3)
+        q25, q3 = family(QWEN25_VL), family(QWEN3_VL)
         for (w, h), (n25, n3, *_rest) in ENGINES_TABLE.items():
             assert q25.num_image_tokens(w, h) == n25, (w, h)
             assert q3.num_image_tokens(w, h) == n3, (w, h)
 
     def test_half_even_rounding(self):
-        q = family(QWEN25)
+        q = family(QWEN25_VL)
         assert q.resized(126, 126) == (112, 112) and q.num_image_tokens(126, 126) == 16
         assert q.resized(70, 70) == (56, 56) and q.num_image_tokens(70, 70) == 4
 
     @pytest.mark.parametrize("model,geometry", [
-        (QWEN25, (14, 2, 3136, 12845056)),
-        (QWEN3, (16, 2, 65536, 16777216)),
-        (QWEN3_EMB, (16, 2, 4096, 1310720)),
+        (QWEN25_VL, (14, 2, 3136, 12845056)),
+        (QWEN3_VL, (16, 2, 65536, 16777216)),
+        (QWEN3_EMBED, (16, 2, 4096, 1310720)),
     ])
     def test_many_sizes_against_reference(self, model, geometry):
         fam = family(model)
@@ -202,7 +198,7 @@ class TestQwenCounts:
 
     def test_float_boundaries_follow_the_processor(self):
         """Where exact algebra and the processor's floats disagree, the engine's floats win."""
-        fam = family(QWEN25)
+        fam = family(QWEN25_VL)
         geometry = (14, 2, 3136, 12845056)
         differ = [(w, h) for w, h in SIZES if max(w, h) <= 200 * min(w, h)
                   and ref_qwen(w, h, *geometry) != ref_qwen(w, h, *geometry, exact=True)]
@@ -214,7 +210,7 @@ class TestQwenCounts:
         assert len(differ) < len(SIZES) // 50
 
     def test_aspect_ratio_boundary(self):
-        q = family(QWEN25)
+        q = family(QWEN25_VL)
         assert q.num_image_tokens(1, 1) == 4  # below min_pixels: scaled up to 56x56
         assert q.num_image_tokens(10, 2000) == ref_qwen(10, 2000, 14, 2, 3136, 12845056)
         assert q.num_image_tokens(2000, 10) == ref_qwen(2000, 10, 14, 2, 3136, 12845056)
@@ -229,38 +225,38 @@ class TestQwenCounts:
             assert ei.value.reason == "image_size"
 
     def test_above_max_pixels(self):
-        q = family(QWEN25)
+        q = family(QWEN25_VL)
         n = q.num_image_tokens(8000, 8000)
         h, w = q.resized(8000, 8000)
         assert h * w <= q.max_pixels and n == ref_qwen(8000, 8000, 14, 2, 3136, 12845056) == 16384
 
     def test_class_defaults_and_overrides(self):
-        pre = dict(files(QWEN25).preprocessor_config)
+        pre = dict(files(QWEN25_VL).preprocessor_config)
         del pre["min_pixels"], pre["max_pixels"]
-        tok = tokenizer(QWEN25)
-        fam = QwenVLFamily.from_config("qwen2_5_vl", files(QWEN25).config, pre, tok)
+        tok = tokenizer(QWEN25_VL)
+        fam = QwenVLFamily.from_config("qwen2_5_vl", files(QWEN25_VL).config, pre, tok)
         assert (fam.min_pixels, fam.max_pixels) == (56 * 56, 28 * 28 * 1280)
         assert fam.num_image_tokens(3000, 4000) == ref_qwen(3000, 4000, 14, 2, 3136, 1003520)
-        over, _ = detect_family(files(QWEN25), tok, {"max_pixels": 200704})
+        over, _ = detect_family(files(QWEN25_VL), tok, {"max_pixels": 200704})
         assert over.max_pixels == 200704
         assert over.num_image_tokens(1920, 1080) == ref_qwen(1920, 1080, 14, 2, 3136, 200704)
 
     def test_size_dict_limits(self):
         pre = {"size": {"shortest_edge": 4096, "longest_edge": 1310720}, "patch_size": 16, "merge_size": 2}
-        fam = QwenVLFamily.from_config("qwen3_vl", {}, pre, tokenizer(QWEN3))
+        fam = QwenVLFamily.from_config("qwen3_vl", {}, pre, tokenizer(QWEN3_VL))
         assert (fam.patch_size, fam.min_pixels, fam.max_pixels, fam.image_token_id) == (16, 4096, 1310720, 151655)
 
 
 class TestLlavaCounts:
     def test_llava15_always_576(self):
-        fam = family(LLAVA)
+        fam = family(LLAVA15)
         for key, exp in expected_image_tokens()["llava-1.5 (CLIP 336/14, default strategy, +1 CLS -1)"].items():
             assert fam.num_image_tokens(*parse_size(key)) == exp["tokens"] == 576
         assert {fam.num_image_tokens(w, h) for w, h in SIZES} == {576}
 
     def test_llava_full_strategy(self):
-        cfg = dict(files(LLAVA).config, vision_feature_select_strategy="full")
-        assert LlavaFamily.from_config(cfg, {}, tokenizer(LLAVA)).tokens_per_image == 577
+        cfg = dict(files(LLAVA15).config, vision_feature_select_strategy="full")
+        assert LlavaFamily.from_config(cfg, {}, tokenizer(LLAVA15)).tokens_per_image == 577
 
     def test_llava_next_fixture_and_table(self):
         fam = family(LLAVA_NEXT)
@@ -348,7 +344,7 @@ class TestQwenExpansion:
 
     def test_reference_prompt(self):
         case = expected_prompts()[self.CASE]
-        fam, tok = family(QWEN25), tokenizer(QWEN25)
+        fam, tok = family(QWEN25_VL), tokenizer(QWEN25_VL)
         ids = tok.encode(case["rendered"], False)
         assert ids == case["ids_before_expansion"]
         out, items = fam.expand(ids, [img("u1")], tok.encode)
@@ -358,14 +354,14 @@ class TestQwenExpansion:
         assert out[14] == 151652 and out[15 + 391] == 151653
 
     def test_never_vision_token_id(self):
-        fam = family(QWEN2)
-        assert fam.image_token_id == 151655 and files(QWEN2).config["vision_token_id"] == 151654
-        cfg = {k: v for k, v in files(QWEN2).config.items() if k != "image_token_id"}
-        fam2 = QwenVLFamily.from_config("qwen2_vl", cfg, files(QWEN2).preprocessor_config, tokenizer(QWEN25))
+        fam = family(QWEN2_VL)
+        assert fam.image_token_id == 151655 and files(QWEN2_VL).config["vision_token_id"] == 151654
+        cfg = {k: v for k, v in files(QWEN2_VL).config.items() if k != "image_token_id"}
+        fam2 = QwenVLFamily.from_config("qwen2_vl", cfg, files(QWEN2_VL).preprocessor_config, tokenizer(QWEN25_VL))
         assert fam2.image_token_id == 151655  # from the vocabulary, not vision_token_id
 
     def test_multi_turn_several_images(self):
-        fam, tok = family(QWEN25), tokenizer(QWEN25)
+        fam, tok = family(QWEN25_VL), tokenizer(QWEN25_VL)
         ph = fam.placeholder(1)
         text = (
             f"<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
@@ -389,7 +385,7 @@ class TestQwenExpansion:
     @pytest.mark.parametrize("n_images", [0, 2])
     def test_placeholder_count_mismatch(self, n_images):
         case = expected_prompts()[self.CASE]
-        fam = family(QWEN25)
+        fam = family(QWEN25_VL)
         with pytest.raises(ExpansionError) as ei:
             fam.expand(case["ids_before_expansion"], [img(str(i)) for i in range(n_images)], None)
         assert ei.value.reason == "placeholder_count"
@@ -398,13 +394,13 @@ class TestQwenExpansion:
     def test_invalid_size_is_expansion_error(self):
         case = expected_prompts()[self.CASE]
         with pytest.raises(ExpansionError):
-            family(QWEN25).expand(case["ids_before_expansion"], [img("x", 1, 500)], None)
+            family(QWEN25_VL).expand(case["ids_before_expansion"], [img("x", 1, 500)], None)
 
 
 class TestLlavaExpansion:
     def test_llava15_reference(self):
         case = expected_prompts()["llava-1.5-7b-hf"]
-        fam, tok = family(LLAVA), tokenizer(LLAVA)
+        fam, tok = family(LLAVA15), tokenizer(LLAVA15)
         ids = tok.encode(case["rendered"], False)
         assert ids == case["ids_before_expansion"]
         out, items = fam.expand(ids, [img("u")], tok.encode)
@@ -433,7 +429,7 @@ class TestLlavaExpansion:
     def test_mismatch(self):
         case = expected_prompts()["llava-1.5-7b-hf"]
         with pytest.raises(ExpansionError):
-            family(LLAVA).expand(case["ids_before_expansion"] * 2, [img("u")], None)
+            family(LLAVA15).expand(case["ids_before_expansion"] * 2, [img("u")], None)
 
 
 class TestPhi3Expansion:

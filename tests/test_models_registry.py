@@ -13,31 +13,18 @@ from mmroute.models.phi3v import Phi3VFamily
 from mmroute.models.qwen_vl import QwenVLFamily
 from mmroute.models.registry import detect_family
 
-from models_helpers import (
-    GEMMA3,
-    LLAVA,
-    LLAVA_NEXT,
-    MODELS,
-    PHI3V,
-    QWEN2,
-    QWEN3,
-    QWEN3_EMB,
-    QWEN25,
-    Files,
-    expected_prompts,
-    files,
-    tokenizer,
-)
+from fixture_models import GEMMA3, LLAVA15, LLAVA_NEXT, MODELS, PHI3V, QWEN2_VL, QWEN3_VL, QWEN3_EMBED, QWEN25_VL
+from models_helpers import Files, expected_prompts, files, tokenizer
 
 
 @pytest.mark.parametrize(
     "model,cls,name,source",
     [
-        (QWEN2, QwenVLFamily, "qwen2_vl", "config.json architectures Qwen2VLForConditionalGeneration"),
-        (QWEN25, QwenVLFamily, "qwen2_5_vl", "config.json architectures Qwen2_5_VLForConditionalGeneration"),
-        (QWEN3, QwenVLFamily, "qwen3_vl", "config.json architectures Qwen3VLForConditionalGeneration"),
-        (QWEN3_EMB, QwenVLFamily, "qwen3_vl", "config.json architectures Qwen3VLForConditionalGeneration"),
-        (LLAVA, LlavaFamily, "llava", "config.json architectures LlavaForConditionalGeneration"),
+        (QWEN2_VL, QwenVLFamily, "qwen2_vl", "config.json architectures Qwen2VLForConditionalGeneration"),
+        (QWEN25_VL, QwenVLFamily, "qwen2_5_vl", "config.json architectures Qwen2_5_VLForConditionalGeneration"),
+        (QWEN3_VL, QwenVLFamily, "qwen3_vl", "config.json architectures Qwen3VLForConditionalGeneration"),
+        (QWEN3_EMBED, QwenVLFamily, "qwen3_vl", "config.json architectures Qwen3VLForConditionalGeneration"),
+        (LLAVA15, LlavaFamily, "llava", "config.json architectures LlavaForConditionalGeneration"),
         (LLAVA_NEXT, LlavaNextFamily, "llava_next", "preprocessor_config.json processor_class LlavaNextProcessor"),
         (PHI3V, Phi3VFamily, "phi3_v", "preprocessor_config.json processor_class Phi3VProcessor"),
         (GEMMA3, Gemma3Family, "gemma3", "tokenizer_config.json processor_class Gemma3Processor"),
@@ -72,8 +59,8 @@ def test_unknown_vision_families():
 
 
 def test_config_wins_over_processor_hints():
-    f = Files(config=files(QWEN25).config, preprocessor_config={"processor_class": "LlavaProcessor"})
-    fam, _ = detect_family(f, tokenizer(QWEN25))
+    f = Files(config=files(QWEN25_VL).config, preprocessor_config={"processor_class": "LlavaProcessor"})
+    fam, _ = detect_family(f, tokenizer(QWEN25_VL))
     assert fam.name == "qwen2_5_vl"
 
 
@@ -127,7 +114,7 @@ def _project_loaders():
     return ModelFiles, ModelTokenizer
 
 
-@pytest.mark.parametrize("model", [QWEN25, LLAVA, LLAVA_NEXT, PHI3V])
+@pytest.mark.parametrize("model", [QWEN25_VL, LLAVA15, LLAVA_NEXT, PHI3V])
 def test_with_model_files_and_model_tokenizer(model):
     import os
 

@@ -5,12 +5,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator
 
 import aiohttp
 import pytest
 from aiohttp import web
-from proxy_helpers import RETRY_STATUS, HookLog, free_port, make_worker, retry_response, serve, sse, upstream_for_tests
+from proxy_helpers import (
+    RETRY_STATUS,
+    FakeWorker,
+    HookLog,
+    free_port,
+    make_worker,
+    mini_router,
+    serve,
+    sse,
+    upstream_for_tests,
+)
 
 from mmroute.proxy import RetryableUpstreamError, Usage, proxy_openai
 from mmroute.proxy.common import SSESplitter, sse_data
@@ -18,28 +28,8 @@ from mmroute.proxy.common import SSESplitter, sse_data
 PATH = "/v1/chat/completions"
 
 
-class FakeVLLM:
-    """One route whose behaviour each test sets; records what it received."""
-
-    def __init__(self, handler: Callable[["FakeVLLM", web.Request], Awaitable[web.StreamResponse]]) -> None:
-        self.handler = handler
-        self.bodies: list[dict] = []
-        self.headers: list = []
-        self.gate = asyncio.Event()
-        self.cancelled = asyncio.Event()
-        self.received = asyncio.Event()
-        self.app = web.Application()
-        self.app.router.add_post(PATH, self._route)
-
-    async def _route(self, request: web.Request) -> web.StreamResponse:
-        self.bodies.append(await request.json())
-        self.headers.append(request.headers.copy())
-        self.received.set()
-        try:
-            return await self.handler(self, request)
-        except asyncio.CancelledError:
-            self.cancelled.set()
-            raise
+class FakeVLLM(FakeWorker):
+    path = PATH
 
 
 @contextlib.asynccontextmanager
@@ -49,20 +39,12 @@ async def router(worker_url: str, *, handler_cancellation: bool = False, **up: A
     worker = make_worker(worker_url)
     log = HookLog()
 
-    async def handle(request: web.Request) -> web.StreamResponse:
+    async def forward(request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        try:
-            return await proxy_openai(request, upstream, worker, PATH, body, request_id="req-42", hooks=log.hooks())
-        except RetryableUpstreamError as e:
-            return retry_response(e)
+        return await proxy_openai(request, upstream, worker, PATH, body, request_id="req-42", hooks=log.hooks())
 
-    app = web.Application()
-    app.router.add_post(PATH, handle)
-    try:
-        async with serve(app, handler_cancellation=handler_cancellation) as url:
-            yield url, log
-    finally:
-        await upstream.close()
+    async with mini_router(PATH, forward, upstream, handler_cancellation=handler_cancellation) as url:
+        yield url, log
 
 
 COMPLETION = {

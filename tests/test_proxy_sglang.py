@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator
 
 import aiohttp
 import pytest
 from aiohttp import web
-from proxy_helpers import RETRY_STATUS, HookLog, make_worker, retry_response, serve, upstream_for_tests
+from proxy_helpers import RETRY_STATUS, FakeWorker, HookLog, make_worker, mini_router, serve, upstream_for_tests
 
 from mmroute.errors import RouterError
-from mmroute.proxy import RetryableUpstreamError, Usage, build_generate_body, generate_unsupported, proxy_sglang_generate
+from mmroute.proxy import Usage, build_generate_body, generate_unsupported, proxy_sglang_generate
 from mmroute.proxy.sglang import TextDeltas
 
 HASH = "deadbeefcafe1234"
@@ -35,22 +35,8 @@ def raw_sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-class FakeSGLang:
-    def __init__(self, handler: Callable[["FakeSGLang", web.Request], Awaitable[web.StreamResponse]]) -> None:
-        self.handler = handler
-        self.bodies: list[dict] = []
-        self.gate = asyncio.Event()
-        self.cancelled = asyncio.Event()
-        self.app = web.Application()
-        self.app.router.add_post("/generate", self._route)
-
-    async def _route(self, request: web.Request) -> web.StreamResponse:
-        self.bodies.append(await request.json())
-        try:
-            return await self.handler(self, request)
-        except asyncio.CancelledError:
-            self.cancelled.set()
-            raise
+class FakeSGLang(FakeWorker):
+    path = "/generate"
 
 
 @contextlib.asynccontextmanager
@@ -60,24 +46,16 @@ async def router(worker_url: str, *, include_usage: bool = False, incremental: b
     worker.incremental_stream = incremental
     log = HookLog()
 
-    async def handle(request: web.Request) -> web.StreamResponse:
+    async def forward(request: web.Request) -> web.StreamResponse:
         chat = await request.json()
-        try:
-            body = build_generate_body(chat, "<prompt>", ["data:image/png;base64,AAAA"], [HASH], "req-7")
-            return await proxy_sglang_generate(
-                request, upstream, worker, body, model="qwen", stream=chat.get("stream") is True,
-                include_usage=include_usage, request_id="req-7", hooks=log.hooks(),
-            )
-        except RetryableUpstreamError as e:
-            return retry_response(e)
+        body = build_generate_body(chat, "<prompt>", ["data:image/png;base64,AAAA"], [HASH], "req-7")
+        return await proxy_sglang_generate(
+            request, upstream, worker, body, model="qwen", stream=chat.get("stream") is True,
+            include_usage=include_usage, request_id="req-7", hooks=log.hooks(),
+        )
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", handle)
-    try:
-        async with serve(app, handler_cancellation=False) as url:
-            yield url, log
-    finally:
-        await upstream.close()
+    async with mini_router("/v1/chat/completions", forward, upstream) as url:
+        yield url, log
 
 
 async def post(url: str, body: dict) -> tuple[int, bytes, Any]:

@@ -11,20 +11,20 @@ import pytest
 
 from mmroute.config import ConfigError
 from mmroute.models.files import ModelFiles, derive_max_model_len
-from render_helpers import (
+from fixture_models import (
     GEMMA3,
     LLAVA15,
     LLAVA_NEXT,
     PHI3V,
-    QWEN2_VL_BASE,
+    QWEN2_VL,
     QWEN25_TEXT,
     QWEN25_VL,
     QWEN3_EMBED,
     QWEN3_TOK,
     QWEN3_VL,
-    files,
     model_dir,
 )
+from render_helpers import files
 
 DEMO = os.path.join(os.path.dirname(__file__), "..", "mmroute", "demo_model")
 
@@ -83,7 +83,7 @@ def test_tokenizer_source_override():
 def test_max_model_len_rules():
     assert files(QWEN3_VL).max_model_len == 262144  # text_config.max_position_embeddings
     assert files(LLAVA15).max_model_len == 4096  # text_config, tokenizer 1e30 ignored
-    assert files(QWEN2_VL_BASE).max_model_len == 32768
+    assert files(QWEN2_VL).max_model_len == 32768
     assert files(QWEN3_TOK).max_model_len == 131072  # tokenizer_config only
     assert derive_max_model_len(
         {"max_position_embeddings": 4096, "rope_scaling": {"type": "linear", "factor": 4.0}}, {}

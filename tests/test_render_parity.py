@@ -10,24 +10,20 @@ import pytest
 from mmroute.errors import RouterError
 from mmroute.models.base import ImageInput, MMItem
 from mmroute.render.renderer import Renderer, RenderedPrompt, UnroutablePrompt
-from render_helpers import (
+from fixture_models import (
     GEMMA3,
     LLAVA15,
     LLAVA_NEXT,
     PHI3_MINI,
     PHI3V,
-    QUESTION,
-    QWEN2_VL_BASE,
+    QWEN2_VL,
     QWEN25_TEXT,
     QWEN25_VL,
     QWEN3_EMBED,
     QWEN3_VL,
     expand_compact,
-    expected_prompts,
-    files,
-    image_message,
-    renderer,
 )
+from render_helpers import QUESTION, expected_prompts, files, image_message, renderer
 
 IMG = ImageInput("img-640x480", 640, 480)
 CASES = expected_prompts()["cases"]
@@ -216,7 +212,7 @@ def test_completions_bos_rules():
     assert renderer(PHI3_MINI).render_completion({"prompt": "Hello"}).token_ids[0] != 1  # add_bos_token false
     assert renderer(GEMMA3).render_completion({"prompt": "Hello"}).token_ids[0] == 2
     # a base model without a chat template still serves completions
-    assert renderer(QWEN2_VL_BASE).render_completion({"prompt": "Hello"}).token_ids == [9707]
+    assert renderer(QWEN2_VL).render_completion({"prompt": "Hello"}).token_ids == [9707]
 
 
 def test_completions_token_ids_and_batches():

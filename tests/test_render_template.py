@@ -19,21 +19,8 @@ from mmroute.render.template import (
     merge_template_kwargs,
     select_template,
 )
-from render_helpers import (
-    GEMMA3,
-    LLAVA15,
-    LLAVA_NEXT,
-    PHI3V,
-    QUESTION,
-    QWEN25_TEXT,
-    QWEN25_VL,
-    QWEN3_EMBED,
-    QWEN3_TOK,
-    QWEN3_VL,
-    files,
-    image_message,
-    renderer,
-)
+from fixture_models import GEMMA3, LLAVA15, LLAVA_NEXT, PHI3V, QWEN25_TEXT, QWEN25_VL, QWEN3_EMBED, QWEN3_TOK, QWEN3_VL
+from render_helpers import QUESTION, files, image_message, renderer
 
 QWEN_TOOLS_HEADER = (
     "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n# Tools\n\n"

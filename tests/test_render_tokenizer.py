@@ -10,7 +10,7 @@ import pytest
 
 from mmroute.config import ConfigError
 from mmroute.render.tokenizer import CACHE_ANCHORED, CACHE_OFF, CACHE_PLAIN, ModelTokenizer
-from render_helpers import (
+from fixture_models import (
     GEMMA3,
     LLAVA15,
     LLAVA_NEXT,
@@ -20,9 +20,8 @@ from render_helpers import (
     QWEN25_VL,
     QWEN3_TOK,
     TOKENIZER_MODELS,
-    files,
-    renderer,
 )
+from render_helpers import files, renderer
 
 
 def tok(name: str) -> ModelTokenizer:

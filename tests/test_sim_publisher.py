@@ -5,6 +5,7 @@ from __future__ import annotations
 import zmq
 
 from mmroute.sim.publisher import END_SEQ, EventPublisher, PublisherConfig, should_bind
+from sim_helpers import replay_frames
 
 TIMEOUT_MS = 10_000
 
@@ -28,24 +29,6 @@ def _wait_joined(pub: EventPublisher, sub) -> list[list[bytes]]:
             got.append(sub.recv_multipart())
             return got
     raise AssertionError("subscriber never joined")
-
-
-def _replay(ctx, endpoint, start: int, frames=None, before=()):
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(endpoint)
-    for bad in before:
-        dealer.send_multipart(bad)
-    dealer.send_multipart(frames or [b"", start.to_bytes(8, "big")])
-    out = []
-    while True:
-        msg = dealer.recv_multipart()
-        out.append(msg)
-        if END_SEQ in msg:
-            break
-    dealer.close()
-    return out
 
 
 def test_should_bind_rules():
@@ -74,11 +57,11 @@ def test_live_frames_seq_and_topic_replay_layout():
         assert seqs[1] == seqs[0] + 1 and [m[2] for m in msgs] == [b"one", b"two"]
         assert pub.drain()
         # replay from the first real message: 4-frame sets, then [b"", b"", END, b""]
-        out = _replay(ctx, pub.replay_bound_endpoint, seqs[0])
+        out = replay_frames(ctx, pub.replay_bound_endpoint, seqs[0])
         assert out[:-1] == [[b"", b"kv-events", s.to_bytes(8, "big"), p] for s, p in zip(seqs, [b"one", b"two"])]
         assert out[-1] == [b"", b"", END_SEQ, b""]
         # replay from 0 starts at seq 0 (the first probe)
-        assert int.from_bytes(_replay(ctx, pub.replay_bound_endpoint, 0)[0][2], "big") == 0
+        assert int.from_bytes(replay_frames(ctx, pub.replay_bound_endpoint, 0)[0][2], "big") == 0
         sub.close(0)
     finally:
         pub.close()
@@ -95,7 +78,7 @@ def test_plain_replay_layout_and_invalid_requests():
         assert pub.drain()
         # a malformed request gets no reply: on the same DEALER, the only replies that
         # arrive are those of the valid request sent after it
-        out = _replay(ctx, pub.replay_bound_endpoint, 1, frames=None, before=[[b"garbage"], [b"", b"\x00" * 3]])
+        out = replay_frames(ctx, pub.replay_bound_endpoint, 1, frames=None, before=[[b"garbage"], [b"", b"\x00" * 3]])
         assert out == [[b"", (1).to_bytes(8, "big"), b"b"], [b"", END_SEQ, b""]]
     finally:
         pub.close()

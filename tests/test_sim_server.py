@@ -27,6 +27,8 @@ from mmroute.sim.processor import Processor
 from mmroute.sim.publisher import END_SEQ
 from mmroute.sim.server import SimWorker
 from mmroute.sim.sglang_hash import fill_span, pad_values
+from proxy_helpers import serve
+from sim_helpers import replay_frames
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = str(REPO / "mmroute" / "demo_model")  # Qwen2.5-VL files
@@ -67,23 +69,7 @@ async def replay_events(worker: SimWorker, start: int = 0) -> list[tuple[int, li
     """All buffered batches from ``start`` via the replay ROUTER: [(seq, events)]."""
     assert await asyncio.to_thread(worker.publisher.drain)
 
-    def run() -> list[list[bytes]]:
-        ctx = zmq.Context.instance()
-        d = ctx.socket(zmq.DEALER)
-        d.setsockopt(zmq.RCVTIMEO, 10_000)
-        d.setsockopt(zmq.LINGER, 0)
-        d.connect(worker.replay_endpoint)
-        d.send_multipart([b"", start.to_bytes(8, "big")])
-        out = []
-        while True:
-            m = d.recv_multipart()
-            out.append(m)
-            if END_SEQ in m:
-                break
-        d.close()
-        return out
-
-    msgs = await asyncio.to_thread(run)
+    msgs = await asyncio.to_thread(replay_frames, zmq.Context.instance(), worker.replay_endpoint, start)
     out = []
     for m in msgs[:-1]:
         seq_b, payload = m[-2], m[-1]
@@ -163,21 +149,14 @@ async def test_vllm_fetches_http_images_like_an_engine(vllm_worker):
 
     app = web.Application()
     app.router.add_get("/cat.png", serve_png)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        req = image_chat(f"http://127.0.0.1:{port}/cat.png", "cat-1", max_tokens=1)
+    async with serve(app, handler_cancellation=False) as base:
+        req = image_chat(f"{base}/cat.png", "cat-1", max_tokens=1)
         async with http.post("/tokenize", json=req) as r:
             by_url = await r.json()
         async with http.post("/tokenize", json=image_chat(data_url(img), "cat-1")) as r:
             by_data = await r.json()
         assert r.status == 200 and by_url["tokens"] == by_data["tokens"]
         assert by_url["tokens"].count(IMAGE_TOKEN) == processor().family.num_image_tokens(320, 240)
-    finally:
-        await runner.cleanup()
 
 
 async def test_vllm_lora_salt_tokenize_and_errors(vllm_worker):
@@ -248,19 +227,7 @@ async def test_vllm_array_wire_format_replays_without_topic():
                 assert (await r.json())["version"] == "0.23.0"
         assert await asyncio.to_thread(w.publisher.drain)
 
-        def raw_replay() -> list[list[bytes]]:
-            d = zmq.Context.instance().socket(zmq.DEALER)
-            d.setsockopt(zmq.RCVTIMEO, 10_000)
-            d.setsockopt(zmq.LINGER, 0)
-            d.connect(w.replay_endpoint)
-            d.send_multipart([b"", (0).to_bytes(8, "big")])
-            out = [d.recv_multipart()]
-            while END_SEQ not in out[-1]:
-                out.append(d.recv_multipart())
-            d.close()
-            return out
-
-        msgs = await asyncio.to_thread(raw_replay)
+        msgs = await asyncio.to_thread(replay_frames, zmq.Context.instance(), w.replay_endpoint, 0)
         assert [len(m) for m in msgs] == [3, 3]  # [b"", seq, payload], then [b"", END, b""]
         assert msgs[-1] == [b"", END_SEQ, b""]
         ev = msgspec.msgpack.decode(msgs[0][2])[1][0]

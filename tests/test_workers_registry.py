@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from typing import AsyncIterator
 
 import pytest
 from aiohttp import web
@@ -105,6 +107,16 @@ def sglang_info(page_size: int = 16, dp_size: int = 2, host: str = "*", base: in
     }
 
 
+@contextlib.asynccontextmanager
+async def running(reg: WorkerRegistry) -> AsyncIterator[WorkerRegistry]:
+    """``reg`` started (a failed start raises, nothing to stop), stopped on exit."""
+    await reg.start()
+    try:
+        yield reg
+    finally:
+        await reg.stop()
+
+
 async def test_vllm_detection_kv_event_sources_and_metrics():
     fw = FakeWorker("vllm", kv_sources={
         "0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5601",
@@ -117,8 +129,7 @@ async def test_vllm_detection_kv_event_sources_and_metrics():
         reg = WorkerRegistry([WorkerSpec.parse(f"{url},name=a")], metrics=metrics, health_interval=60)
         seen: list[tuple[str, str]] = []
         reg.on_change.append(lambda w, what: seen.append((w.id, what)))
-        await reg.start()
-        try:
+        async with running(reg):
             w = reg.get("a")
             assert (w.backend, w.version, w.healthy, w.usable) == ("vllm", "0.33.0", True, True)
             assert w.kv_sources == [
@@ -132,8 +143,6 @@ async def test_vllm_detection_kv_event_sources_and_metrics():
             assert snap["backend"] == "vllm" and snap["healthy"] is True
             assert snap["kv_sources"][0]["endpoint"] == "tcp://127.0.0.1:5601"
             assert fw.hits.get("/server_info") is None  # 404 on a vLLM: not SGLang
-        finally:
-            await reg.stop()
 
 
 async def test_vllm_default_and_explicit_kv():
@@ -147,22 +156,18 @@ async def test_vllm_default_and_explicit_kv():
             ],
             health_interval=60,
         )
-        await reg.start()
-        try:
+        async with running(reg):
             assert reg.get("explicit").kv_sources == [KVSource(0, "tcp://10.1.2.3:9999", "tcp://10.1.2.3:9998", "")]
             assert fw.hits.get("/kv_event_sources") is None  # kv= given: discovery never asked
             assert reg.get("default").kv_sources == [KVSource(0, "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", "")]
             assert reg.get("default").backend == "vllm"
-        finally:
-            await reg.stop()
 
 
 async def test_sglang_discovery_host_substitution_and_dp_ports():
     fw = FakeWorker("sglang", server_info=sglang_info(dp_size=2, base=6100))
     async with serve(fw.app) as url:
         reg = WorkerRegistry([WorkerSpec.parse(f"{url},name=s,replay=tcp://127.0.0.1:6200")], health_interval=60)
-        await reg.start()
-        try:
+        async with running(reg):
             w = reg.get("s")
             assert (w.backend, w.version, w.page_size, w.dp_size) == ("sglang", "0.5.23", 16, 2)
             assert w.kv_sources == [
@@ -171,28 +176,20 @@ async def test_sglang_discovery_host_substitution_and_dp_ports():
             ]
             assert (w.reported_running, w.reported_waiting, w.kv_usage) == (7, 9, 0.5)
             assert w.incremental_stream is False
-        finally:
-            await reg.stop()
 
 
 async def test_sglang_alias_explicit_host_and_explicit_kv():
     fw = FakeWorker("sglang", server_info=sglang_info(dp_size=1, host="10.9.8.7", base=5557), alias_only=True)
     async with serve(fw.app) as url:
         reg = WorkerRegistry([WorkerSpec.parse(f"{url},name=s")], health_interval=60)
-        await reg.start()
-        try:
+        async with running(reg):
             w = reg.get("s")
             assert w.backend == "sglang"  # found through /get_server_info
             assert w.kv_sources == [KVSource(0, "tcp://10.9.8.7:5557", None, "")]
-        finally:
-            await reg.stop()
         reg = WorkerRegistry([WorkerSpec.parse(f"{url},name=s,kv=tcp://127.0.0.1:7777")], health_interval=60)
-        await reg.start()
-        try:
+        async with running(reg):
             assert reg.get("s").kv_sources == [KVSource(0, "tcp://127.0.0.1:7777", None, "")]
             assert reg.get("s").page_size == 16
-        finally:
-            await reg.stop()
 
 
 async def test_sglang_page_size_1_refused_with_hint():
@@ -205,11 +202,8 @@ async def test_sglang_page_size_1_refused_with_hint():
         assert "p1" in msg and "--page-size 16" in msg and "page size of 1" in msg
         assert reg.get("p1").usable is False
         reg = WorkerRegistry([WorkerSpec.parse(f"{url},name=p1")], health_interval=60, allow_page_size_1=True)
-        await reg.start()
-        try:
+        async with running(reg):
             assert reg.get("p1").usable and reg.get("p1").page_size == 1
-        finally:
-            await reg.stop()
 
 
 async def test_backend_override_and_unrecognised_worker():
@@ -220,14 +214,11 @@ async def test_backend_override_and_unrecognised_worker():
             [WorkerSpec.parse(f"{url},name=forced,backend=vllm"), WorkerSpec.parse(f"{url2},name=bare")],
             health_interval=60,
         )
-        await reg.start()
-        try:
+        async with running(reg):
             assert reg.get("forced").backend == "vllm"
             assert fw.hits.get("/server_info") is None
             assert reg.get("bare").backend == "vllm" and reg.get("bare").version is None
             assert reg.get("bare").healthy
-        finally:
-            await reg.stop()
 
 
 async def test_dead_worker_does_not_block_and_is_detected_later():
@@ -236,8 +227,7 @@ async def test_dead_worker_does_not_block_and_is_detected_later():
     reg = WorkerRegistry([WorkerSpec.parse(f"http://127.0.0.1:{port},name=late")], health_interval=0.05)
     seen: list[str] = []
     reg.on_change.append(lambda w, what: seen.append(what))
-    await reg.start()
-    try:
+    async with running(reg):
         w = reg.get("late")
         assert (w.backend, w.healthy, w.detected) == ("unknown", False, False)
         assert w.error and "unreachable" in w.error
@@ -247,8 +237,6 @@ async def test_dead_worker_does_not_block_and_is_detected_later():
             assert (w.backend, w.detected) == ("sglang", True)
             assert w.kv_sources == [KVSource(0, "tcp://127.0.0.1:6300", None, "")]
             assert "kv_sources" in seen and "up" in seen
-    finally:
-        await reg.stop()
 
 
 async def test_health_flaps_mark_failed_and_restart_rediscovery():
@@ -287,14 +275,11 @@ async def test_slow_health_keeps_state():
     fw = FakeWorker("sglang", server_info=sglang_info(dp_size=1))
     async with serve(fw.app) as url:
         reg = WorkerRegistry([WorkerSpec.parse(f"{url},name=busy")], health_interval=3600, health_read_timeout=0.1)
-        await reg.start()
-        try:
+        async with running(reg):
             assert reg.get("busy").healthy
             fw.health_hangs = True  # a busy SGLang: connected, /health generation still running
             await reg.check_now()
             assert reg.get("busy").healthy and reg.get("busy").error is None
-        finally:
-            await reg.stop()
 
 
 async def test_async_on_change_callback_and_stop_is_clean():

@@ -153,6 +153,17 @@ class _ZmqConsumer:
 
     # ---- internals -------------------------------------------------------------------------
 
+    @staticmethod
+    async def _deliver(stream: WorkerStream, frames: list[bytes]) -> None:
+        """Decode one live message for ``stream`` (an undecodable one is only counted)."""
+        stream.note_received()
+        try:
+            msg = decode_message(frames)
+        except WireError as e:
+            stream.note_decode_error(e)
+            return
+        await stream.on_live(msg, payload_digest(frames[2]))
+
     def _notify(self) -> None:
         ev, self._changed = self._changed, asyncio.Event()
         ev.set()
@@ -285,13 +296,7 @@ class KVSubscriber(_ZmqConsumer):
         sock.connect(self.endpoint)
 
     async def _handle(self, frames: list[bytes]) -> None:
-        self.stream.note_received()
-        try:
-            msg = decode_message(frames)
-        except WireError as e:
-            self.stream.note_decode_error(e)
-            return
-        await self.stream.on_live(msg, payload_digest(frames[2]))
+        await self._deliver(self.stream, frames)
 
     # ---- plain stats -----------------------------------------------------------------------
 
@@ -419,13 +424,7 @@ class KVCollector(_ZmqConsumer):
             log.debug("%r: dropped message on unknown topic %r", self, bytes(frames[0])[:64])
             self._notify()
             return
-        stream.note_received()
-        try:
-            msg = decode_message(frames)
-        except WireError as e:
-            stream.note_decode_error(e)
-            return
-        await stream.on_live(msg, payload_digest(frames[2]))
+        await self._deliver(stream, frames)
 
     def snapshot(self) -> dict[str, Any]:
         return {

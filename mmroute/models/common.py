@@ -38,6 +38,14 @@ def resolve_image_token_id(config: Mapping[str, Any], vocab: TokenLookup | None,
     return None
 
 
+def require_image_token_id(config: Mapping[str, Any], vocab: TokenLookup | None, token: str, family: str) -> int:
+    """``resolve_image_token_id``, or a ValueError naming ``family`` when nothing resolves."""
+    tid = resolve_image_token_id(config, vocab, token)
+    if tid is None:
+        raise ValueError(f"{family}: cannot resolve the image token id ({token} not in the vocabulary)")
+    return tid
+
+
 def check_size(width: int, height: int) -> None:
     if not (isinstance(width, int) and isinstance(height, int)) or width <= 0 or height <= 0:
         raise ExpansionError("image_size", f"invalid image size {width}x{height}")

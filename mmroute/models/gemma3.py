@@ -24,7 +24,7 @@ from mmroute.models.common import (
     as_int,
     check_size,
     placeholder_count_error,
-    resolve_image_token_id,
+    require_image_token_id,
 )
 
 BOI = "<start_of_image>"
@@ -78,9 +78,7 @@ class Gemma3Family:
         boi_tok = tokenizer_config.get("boi_token") if isinstance(tokenizer_config.get("boi_token"), str) else BOI
         eoi_tok = tokenizer_config.get("eoi_token") if isinstance(tokenizer_config.get("eoi_token"), str) else EOI
         soft_tok = tokenizer_config.get("image_token") if isinstance(tokenizer_config.get("image_token"), str) else SOFT
-        soft = resolve_image_token_id(config, vocab, soft_tok)
-        if soft is None:
-            raise ValueError(f"gemma3: cannot resolve the image token id ({soft_tok} not in the vocabulary)")
+        soft = require_image_token_id(config, vocab, soft_tok, "gemma3")
         boi = as_int(config.get("boi_token_index"), -1)
         eoi = as_int(config.get("eoi_token_index"), -1)
         return cls(

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Sequence
 
 from mmroute.models.base import Encode, ImageInput, MMItem
-from mmroute.models.common import TokenLookup, as_int, check_size, expand_repeated, resolve_image_token_id
+from mmroute.models.common import TokenLookup, as_int, check_size, expand_repeated, require_image_token_id
 
 PLACEHOLDER = "<image>"
 
@@ -54,9 +54,7 @@ class LlavaFamily:
     def from_config(
         cls, config: Mapping[str, Any], preprocessor: Mapping[str, Any], vocab: TokenLookup | None
     ) -> "LlavaFamily":
-        token = resolve_image_token_id(config, vocab, PLACEHOLDER)
-        if token is None:
-            raise ValueError(f"llava: cannot resolve the image token id ({PLACEHOLDER} not in the vocabulary)")
+        token = require_image_token_id(config, vocab, PLACEHOLDER, "llava")
         return cls(token, base_feature_size(config, preprocessor))
 
     def placeholder(self, index: int) -> str:

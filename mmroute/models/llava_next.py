@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Sequence
 
 from mmroute.models.base import Encode, ExpansionError, ImageInput, MMItem
-from mmroute.models.common import TokenLookup, check_size, expand_repeated, resolve_image_token_id
+from mmroute.models.common import TokenLookup, check_size, expand_repeated, require_image_token_id
 from mmroute.models.llava import PLACEHOLDER, base_feature_size, vision_geometry
 
 # transformers LlavaNextConfig default image_grid_pinpoints (height, width).
@@ -79,9 +79,7 @@ class LlavaNextFamily:
     def from_config(
         cls, config: Mapping[str, Any], preprocessor: Mapping[str, Any], vocab: TokenLookup | None
     ) -> "LlavaNextFamily":
-        token = resolve_image_token_id(config, vocab, PLACEHOLDER)
-        if token is None:
-            raise ValueError(f"llava_next: cannot resolve the image token id ({PLACEHOLDER} not in the vocabulary)")
+        token = require_image_token_id(config, vocab, PLACEHOLDER, "llava_next")
         image_size, patch, _ = vision_geometry(config, preprocessor)
         return cls(token, _pinpoints(config, preprocessor), image_size, image_size // patch,
                    base_feature_size(config, preprocessor))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Sequence
 
 from mmroute.models.base import Encode, ExpansionError, ImageInput, MMItem
-from mmroute.models.common import TokenLookup, as_int, check_size, expand_repeated, resolve_image_token_id
+from mmroute.models.common import TokenLookup, as_int, check_size, expand_repeated, require_image_token_id
 
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 IMAGE_PAD = "<|image_pad|>"
@@ -93,9 +93,7 @@ class QwenVLFamily:
         patch = as_int(vision.get("patch_size"), as_int(preprocessor.get("patch_size"), default_patch))
         merge = as_int(vision.get("spatial_merge_size"), as_int(preprocessor.get("merge_size"), 2))
         lo, hi = pixel_limits(preprocessor, overrides)
-        token = resolve_image_token_id(config, vocab, IMAGE_PAD)
-        if token is None:
-            raise ValueError(f"{name}: cannot resolve the image token id ({IMAGE_PAD} not in the vocabulary)")
+        token = require_image_token_id(config, vocab, IMAGE_PAD, name)
         return cls(name, token, patch, merge, lo, hi)
 
     @property

@@ -13,12 +13,16 @@ import json
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
 
 from mmroute.errors import RouterError
+
+if TYPE_CHECKING:
+    from mmroute.proxy.upstream import Upstream
+    from mmroute.workers.registry import Worker
 
 log = logging.getLogger("mmroute.proxy")
 
@@ -110,10 +114,11 @@ def usage_from(obj: Any) -> Usage | None:
         return None
     details = u.get("prompt_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
-    return Usage(_int(u.get("prompt_tokens")), _int(u.get("completion_tokens")), _int(cached))
+    return Usage(int_or_none(u.get("prompt_tokens")), int_or_none(u.get("completion_tokens")), int_or_none(cached))
 
 
-def _int(v: Any) -> int | None:
+def int_or_none(v: Any) -> int | None:
+    """``v`` when it is a JSON integer (not a bool), else None."""
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
@@ -248,3 +253,176 @@ class ClientWatch:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+
+
+# ---- one upstream call, relayed ------------------------------------------------------------
+
+
+def timed_out(worker: Worker, out_headers: dict[str, str], hooks: ProxyHooks) -> web.Response:
+    """The 504 for a worker that went silent before anything was sent to the client."""
+    hooks.complete("timeout")
+    return error_response(504, f"worker {worker.id} did not answer in time", headers=out_headers)
+
+
+async def post_and_relay(
+    request: web.Request,
+    upstream: Upstream,
+    worker: Worker,
+    path: str,
+    data: bytes,
+    *,
+    request_id: str,
+    hooks: ProxyHooks,
+    headers: dict[str, str] | None,
+    relay: Callable[[aiohttp.ClientResponse, dict[str, str]], Awaitable[web.StreamResponse]],
+) -> web.StreamResponse:
+    """POST ``data`` to ``worker.url + path``; ``relay(resp, out_headers)`` answers the client
+    from any response below 500.
+
+    The contract both proxies share: ``RetryableUpstreamError`` when the worker was
+    unreachable or answered 5xx (nothing sent yet); a 504 when it stayed silent; on client
+    disconnect the upstream response is closed (the worker sees the cancellation) and
+    ``asyncio.CancelledError`` propagates.
+    """
+    out_headers = response_headers(worker.id, request_id)
+    watch = ClientWatch(request)
+    resp: aiohttp.ClientResponse | None = None
+    try:
+        try:
+            resp = await upstream.session(worker).post(
+                worker.url + path, data=data, headers=upstream_headers(request, request_id, headers)
+            )
+        except CONNECT_ERRORS as exc:
+            raise RetryableUpstreamError(f"{worker.id}: {type(exc).__name__}: {exc}") from exc
+        except asyncio.TimeoutError:
+            return timed_out(worker, out_headers, hooks)
+        if resp.status >= 500:
+            err = await read_error_body(resp)
+            raise RetryableUpstreamError(
+                f"{worker.id} answered {resp.status}", status=resp.status, body=err, content_type=resp.content_type
+            )
+        return await relay(resp, out_headers)
+    except asyncio.CancelledError:
+        if resp is not None:
+            resp.close()  # drop the connection: the worker aborts the request
+        hooks.complete("client_disconnect" if watch.fired or client_gone(request) else "cancelled")
+        raise
+    finally:
+        watch.stop()
+        if resp is not None:
+            resp.release()
+
+
+async def read_whole(resp: aiohttp.ClientResponse, worker: Worker) -> bytes | None:
+    """A non-streamed answer's body; None when the worker went silent (answer ``timed_out``).
+
+    A broken connection raises ``RetryableUpstreamError``: nothing went to the client yet,
+    so another worker may still answer.
+    """
+    try:
+        return await resp.read()
+    except asyncio.TimeoutError:
+        return None
+    except (aiohttp.ClientError, OSError) as exc:
+        raise RetryableUpstreamError(f"{worker.id}: response broken: {type(exc).__name__}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class StreamFailure:
+    """Why a relayed stream ended badly: hook outcome, HTTP-like status, message."""
+
+    outcome: str  # "timeout" | "upstream_error"
+    status: int
+    message: str
+
+
+class UpstreamChunks:
+    """``async for chunk in UpstreamChunks(resp, worker)``: a streamed answer's raw chunks
+    until EOF. A silent worker or a broken connection ends the iteration and is kept in
+    ``failure`` (a timeout with ``timeout_status``)."""
+
+    __slots__ = ("_resp", "_worker", "_timeout_status", "failure")
+
+    def __init__(self, resp: aiohttp.ClientResponse, worker: Worker, *, timeout_status: int = 504) -> None:
+        self._resp = resp
+        self._worker = worker
+        self._timeout_status = timeout_status
+        self.failure: StreamFailure | None = None
+
+    def __aiter__(self) -> UpstreamChunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        try:
+            chunk = await self._resp.content.readany()
+        except asyncio.TimeoutError:
+            self.failure = StreamFailure(
+                "timeout", self._timeout_status, f"worker {self._worker.id} stopped streaming (timeout)"
+            )
+            raise StopAsyncIteration from None
+        except (aiohttp.ClientError, OSError) as exc:
+            self.failure = StreamFailure(
+                "upstream_error", 502, f"worker {self._worker.id} stream broke: {type(exc).__name__}: {exc}"
+            )
+            raise StopAsyncIteration from None
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk
+
+
+class ClientStream:
+    """The SSE answer to the client while relaying from ``upstream``.
+
+    When the client goes away (``open``/``send`` return False) the upstream response is
+    closed, so the worker aborts the request, and the outcome is ``client_disconnect``.
+    """
+
+    __slots__ = ("out", "_request", "_hooks", "_upstream")
+
+    def __init__(
+        self,
+        request: web.Request,
+        hooks: ProxyHooks,
+        out_headers: dict[str, str],
+        upstream: aiohttp.ClientResponse | None,
+        status: int = 200,
+    ) -> None:
+        self.out = web.StreamResponse(status=status, headers={**SSE_HEADERS, **out_headers})
+        self._request = request
+        self._hooks = hooks
+        self._upstream = upstream
+
+    def _client_gone(self) -> None:
+        if self._upstream is not None:
+            self._upstream.close()
+        self._hooks.complete("client_disconnect")
+
+    async def open(self) -> bool:
+        try:
+            await self.out.prepare(self._request)
+            return True
+        except (ConnectionError, aiohttp.ClientConnectionError):
+            self._client_gone()
+            return False
+
+    async def send(self, data: bytes) -> bool:
+        if await client_write(self.out, data):
+            return True
+        self._client_gone()
+        return False
+
+    async def finish(self, failure: StreamFailure | None, tail: bytes = b"") -> web.StreamResponse:
+        """End the stream: a failure becomes an error event and ``[DONE]``; else ``tail``."""
+        if failure is not None:
+            if self._upstream is not None:
+                self._upstream.close()
+            event = error_event(failure.status, failure.message, code="upstream_stream_error")
+            await client_write(self.out, event + DONE_EVENT)
+            await client_eof(self.out)
+            self._hooks.complete(failure.outcome)
+            return self.out
+        if tail:
+            await client_write(self.out, tail)
+        await client_eof(self.out)
+        self._hooks.complete("ok")
+        return self.out

@@ -8,7 +8,6 @@ usage-only chunk (``"choices": []``) again (ENGINES.md §2.5 allows exactly this
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -17,23 +16,17 @@ import msgspec
 from aiohttp import web
 
 from mmroute.proxy.common import (
-    CONNECT_ERRORS,
-    DONE_EVENT,
-    SSE_HEADERS,
-    ClientWatch,
+    ClientStream,
     ProxyHooks,
-    RetryableUpstreamError,
     SSESplitter,
+    StreamFailure,
+    UpstreamChunks,
     Usage,
-    client_eof,
-    client_gone,
-    client_write,
-    error_event,
-    error_response,
+    post_and_relay,
     read_error_body,
-    response_headers,
+    read_whole,
     sse_data,
-    upstream_headers,
+    timed_out,
     usage_from,
 )
 from mmroute.proxy.upstream import Upstream
@@ -75,25 +68,8 @@ async def proxy_openai(
     hooks = hooks or ProxyHooks()
     send_body, strip_usage = with_usage_requested(body)
     data = msgspec.json.encode(send_body)  # fast on multi-MB base64 image bodies
-    out_headers = response_headers(worker.id, request_id)
-    watch = ClientWatch(request)
-    resp: aiohttp.ClientResponse | None = None
-    try:
-        try:
-            resp = await upstream.session(worker).post(
-                worker.url + path, data=data, headers=upstream_headers(request, request_id, headers)
-            )
-        except CONNECT_ERRORS as exc:
-            raise RetryableUpstreamError(f"{worker.id}: {type(exc).__name__}: {exc}") from exc
-        except asyncio.TimeoutError:
-            hooks.complete("timeout")
-            return error_response(504, f"worker {worker.id} did not answer in time", headers=out_headers)
 
-        if resp.status >= 500:
-            err = await read_error_body(resp)
-            raise RetryableUpstreamError(
-                f"{worker.id} answered {resp.status}", status=resp.status, body=err, content_type=resp.content_type
-            )
+    async def relay(resp: aiohttp.ClientResponse, out_headers: dict[str, str]) -> web.StreamResponse:
         if resp.status >= 400:
             # The worker's OpenAI error, unchanged.
             err = await read_error_body(resp, 1024 * 1024)
@@ -102,28 +78,18 @@ async def proxy_openai(
         if resp.content_type == "text/event-stream":
             return await _relay_stream(request, resp, worker, out_headers, hooks, strip_usage)
         return await _relay_whole(resp, worker, out_headers, hooks)
-    except asyncio.CancelledError:
-        if resp is not None:
-            resp.close()  # drop the connection: the worker aborts the request
-        hooks.complete("client_disconnect" if watch.fired or client_gone(request) else "cancelled")
-        raise
-    finally:
-        watch.stop()
-        if resp is not None:
-            resp.release()
+
+    return await post_and_relay(
+        request, upstream, worker, path, data, request_id=request_id, hooks=hooks, headers=headers, relay=relay
+    )
 
 
 async def _relay_whole(
     resp: aiohttp.ClientResponse, worker: Worker, out_headers: dict[str, str], hooks: ProxyHooks
 ) -> web.Response:
-    try:
-        payload = await resp.read()
-    except asyncio.TimeoutError:
-        hooks.complete("timeout")
-        return error_response(504, f"worker {worker.id} did not answer in time", headers=out_headers)
-    except (aiohttp.ClientError, OSError) as exc:
-        # Nothing went to the client yet: another worker may still answer.
-        raise RetryableUpstreamError(f"{worker.id}: response broken: {type(exc).__name__}: {exc}") from exc
+    payload = await read_whole(resp, worker)
+    if payload is None:
+        return timed_out(worker, out_headers, hooks)
     hooks.first_token()
     if b'"usage"' in payload:
         try:
@@ -144,29 +110,15 @@ async def _relay_stream(
     hooks: ProxyHooks,
     strip_usage: bool,
 ) -> web.StreamResponse:
-    out = web.StreamResponse(status=resp.status, headers={**SSE_HEADERS, **out_headers})
-    try:
-        await out.prepare(request)
-    except (ConnectionError, aiohttp.ClientConnectionError):
-        resp.close()
-        hooks.complete("client_disconnect")
-        return out
+    client = ClientStream(request, hooks, out_headers, resp, status=resp.status)
+    if not await client.open():
+        return client.out
     splitter = SSESplitter()
     first = True
     saw_done = False
     usage: Usage | None = None
-    failure: tuple[str, str] | None = None  # (outcome, message)
-    while True:
-        try:
-            chunk = await resp.content.readany()
-        except asyncio.TimeoutError:
-            failure = ("timeout", f"worker {worker.id} stopped streaming (timeout)")
-            break
-        except (aiohttp.ClientError, OSError) as exc:
-            failure = ("upstream_error", f"worker {worker.id} stream broke: {type(exc).__name__}: {exc}")
-            break
-        if not chunk:
-            break
+    chunks = UpstreamChunks(resp, worker, timeout_status=502)  # this relay reports every stream failure as 502
+    async for chunk in chunks:
         events = splitter.feed(chunk)
         if not events:
             continue
@@ -194,26 +146,15 @@ async def _relay_stream(
                     if strip_usage and obj.get("choices") == []:
                         continue  # the usage chunk the client did not ask for
             keep.append(ev)
-        if keep and not await client_write(out, b"".join(keep)):
-            resp.close()
-            hooks.complete("client_disconnect")
-            return out
+        if keep and not await client.send(b"".join(keep)):
+            return client.out
+    failure = chunks.failure
     rest = splitter.rest()
     if rest.strip() and failure is None:
-        if not await client_write(out, rest + b"\n\n"):
-            resp.close()
-            hooks.complete("client_disconnect")
-            return out
+        if not await client.send(rest + b"\n\n"):
+            return client.out
     if usage is not None:
         hooks.usage(usage)
     if failure is None and not saw_done:
-        failure = ("upstream_error", f"worker {worker.id} ended the stream without [DONE]")
-    if failure is not None:
-        resp.close()
-        await client_write(out, error_event(502, failure[1], code="upstream_stream_error") + DONE_EVENT)
-        await client_eof(out)
-        hooks.complete(failure[0])
-        return out
-    await client_eof(out)
-    hooks.complete("ok")
-    return out
+        failure = StreamFailure("upstream_error", 502, f"worker {worker.id} ended the stream without [DONE]")
+    return await client.finish(failure)

@@ -10,7 +10,6 @@ computed here, holding back a trailing U+FFFD until the next chunk resolves it.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -22,24 +21,22 @@ from aiohttp import web
 
 from mmroute.errors import RouterError, bad_request
 from mmroute.proxy.common import (
-    CONNECT_ERRORS,
     DONE_EVENT,
-    SSE_HEADERS,
-    ClientWatch,
+    ClientStream,
     ProxyHooks,
     RetryableUpstreamError,
     SSESplitter,
+    StreamFailure,
+    UpstreamChunks,
     Usage,
-    client_eof,
-    client_gone,
-    client_write,
-    error_event,
     error_response,
+    int_or_none,
+    post_and_relay,
     read_error_body,
-    response_headers,
+    read_whole,
     sse_data,
     sse_event,
-    upstream_headers,
+    timed_out,
 )
 from mmroute.proxy.upstream import Upstream
 from mmroute.workers.registry import Worker
@@ -218,12 +215,8 @@ def chat_id(request_id: str) -> str:
     return request_id if request_id.startswith("chatcmpl-") else f"chatcmpl-{request_id}"
 
 
-def _int(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-
 def usage_of(meta: dict[str, Any]) -> Usage:
-    return Usage(_int(meta.get("prompt_tokens")), _int(meta.get("completion_tokens")), _int(meta.get("cached_tokens")))
+    return Usage(int_or_none(meta.get("prompt_tokens")), int_or_none(meta.get("completion_tokens")), int_or_none(meta.get("cached_tokens")))
 
 
 def usage_dict(u: Usage) -> dict[str, Any]:
@@ -252,12 +245,12 @@ def check_failure(obj: Any) -> None:
     err = obj.get("error")
     if err is not None:
         msg = err.get("message") if isinstance(err, dict) else str(err)
-        code = _int(err.get("code")) if isinstance(err, dict) else None
+        code = int_or_none(err.get("code")) if isinstance(err, dict) else None
         raise GenerateFailure(code if code and 400 <= code < 600 else 500, str(msg or "SGLang error"))
     meta = obj.get("meta_info")
     fr = meta.get("finish_reason") if isinstance(meta, dict) else None
     if isinstance(fr, dict) and fr.get("type") == "abort":
-        code = _int(fr.get("status_code"))
+        code = int_or_none(fr.get("status_code"))
         msg = fr.get("message") or "the request was aborted by the SGLang worker"
         raise GenerateFailure(code if code and 400 <= code < 600 else 503, str(msg))
 
@@ -402,24 +395,8 @@ async def proxy_sglang_generate(
     body = {**gen_body, "stream": stream}
     body.setdefault("rid", request_id)
     data = msgspec.json.encode(body)
-    out_headers = response_headers(worker.id, request_id)
-    watch = ClientWatch(request)
-    resp: aiohttp.ClientResponse | None = None
-    try:
-        try:
-            resp = await upstream.session(worker).post(
-                worker.url + "/generate", data=data, headers=upstream_headers(request, request_id, headers)
-            )
-        except CONNECT_ERRORS as exc:
-            raise RetryableUpstreamError(f"{worker.id}: {type(exc).__name__}: {exc}") from exc
-        except asyncio.TimeoutError:
-            hooks.complete("timeout")
-            return error_response(504, f"worker {worker.id} did not answer in time", headers=out_headers)
-        if resp.status >= 500:
-            err = await read_error_body(resp)
-            raise RetryableUpstreamError(
-                f"{worker.id} answered {resp.status}", status=resp.status, body=err, content_type=resp.content_type
-            )
+
+    async def relay(resp: aiohttp.ClientResponse, out_headers: dict[str, str]) -> web.StreamResponse:
         if resp.status >= 400:
             status, err_body = _error_from_4xx(resp.status, await read_error_body(resp, 1024 * 1024))
             hooks.complete("error")
@@ -430,15 +407,10 @@ async def proxy_sglang_generate(
         if stream and resp.content_type == "text/event-stream":
             return await _relay_stream(request, resp, worker, out_headers, hooks, translator)
         return await _relay_whole(request, resp, worker, out_headers, hooks, translator, stream, model, request_id)
-    except asyncio.CancelledError:
-        if resp is not None:
-            resp.close()
-        hooks.complete("client_disconnect" if watch.fired or client_gone(request) else "cancelled")
-        raise
-    finally:
-        watch.stop()
-        if resp is not None:
-            resp.release()
+
+    return await post_and_relay(
+        request, upstream, worker, "/generate", data, request_id=request_id, hooks=hooks, headers=headers, relay=relay
+    )
 
 
 def _failure_before_output(worker: Worker, f: GenerateFailure, out_headers: dict[str, str], hooks: ProxyHooks) -> web.Response:
@@ -465,13 +437,9 @@ async def _relay_whole(
     model: str,
     request_id: str,
 ) -> web.StreamResponse:
-    try:
-        payload = await resp.read()
-    except asyncio.TimeoutError:
-        hooks.complete("timeout")
-        return error_response(504, f"worker {worker.id} did not answer in time", headers=out_headers)
-    except (aiohttp.ClientError, OSError) as exc:
-        raise RetryableUpstreamError(f"{worker.id}: response broken: {type(exc).__name__}: {exc}") from exc
+    payload = await read_whole(resp, worker)
+    if payload is None:
+        return timed_out(worker, out_headers, hooks)
     try:
         obj = json.loads(payload)
     except ValueError:
@@ -494,20 +462,14 @@ async def _relay_whole(
         meta = obj.get("meta_info") if isinstance(obj.get("meta_info"), dict) else {}
         meta = {**meta, "finish_reason": {"type": "stop"}}
         events += translator.feed({**obj, "text": obj.get("text"), "meta_info": meta})
-    out = web.StreamResponse(status=200, headers={**SSE_HEADERS, **out_headers})
-    try:
-        await out.prepare(request)
-    except (ConnectionError, aiohttp.ClientConnectionError):
-        hooks.complete("client_disconnect")
-        return out
+    client = ClientStream(request, hooks, out_headers, None)  # the answer is read: nothing to close upstream
+    if not await client.open():
+        return client.out
     if translator.usage is not None:
         hooks.usage(translator.usage)
-    if not await client_write(out, b"".join(events) + DONE_EVENT):
-        hooks.complete("client_disconnect")
-        return out
-    await client_eof(out)
-    hooks.complete("ok")
-    return out
+    if not await client.send(b"".join(events) + DONE_EVENT):
+        return client.out
+    return await client.finish(None)
 
 
 async def _relay_stream(
@@ -518,21 +480,12 @@ async def _relay_stream(
     hooks: ProxyHooks,
     tr: ChunkTranslator,
 ) -> web.StreamResponse:
-    out: web.StreamResponse | None = None  # prepared lazily: an early failure can still be a JSON error
+    client: ClientStream | None = None  # opened lazily: an early failure can still be a JSON error
     splitter = SSESplitter()
-    failure: tuple[str, int, str] | None = None  # (outcome, status, message)
+    chunks = UpstreamChunks(resp, worker)
+    failure: StreamFailure | None = None
     done = False
-    while not done:
-        try:
-            chunk = await resp.content.readany()
-        except asyncio.TimeoutError:
-            failure = ("timeout", 504, f"worker {worker.id} stopped streaming (timeout)")
-            break
-        except (aiohttp.ClientError, OSError) as exc:
-            failure = ("upstream_error", 502, f"worker {worker.id} stream broke: {type(exc).__name__}: {exc}")
-            break
-        if not chunk:
-            break
+    async for chunk in chunks:
         pieces: list[bytes] = []
         for ev in splitter.feed(chunk):
             payload = sse_data(ev)
@@ -545,48 +498,34 @@ async def _relay_stream(
                 obj = json.loads(payload)
                 check_failure(obj)
             except ValueError:
-                failure = ("upstream_error", 502, f"worker {worker.id} sent an undecodable stream event")
+                failure = StreamFailure("upstream_error", 502, f"worker {worker.id} sent an undecodable stream event")
             except GenerateFailure as f:
-                failure = ("upstream_error", f.status, f.message)
+                failure = StreamFailure("upstream_error", f.status, f.message)
             if failure is not None:
                 break
             pieces.extend(tr.feed(obj))
             if tr.finished:
                 done = True
                 break
-        if failure is not None and out is None:
-            return _failure_before_output(worker, GenerateFailure(failure[1], failure[2]), out_headers, hooks)
+        if failure is not None and client is None:
+            return _failure_before_output(worker, GenerateFailure(failure.status, failure.message), out_headers, hooks)
         if pieces:
-            if out is None:
-                out = web.StreamResponse(status=200, headers={**SSE_HEADERS, **out_headers})
-                try:
-                    await out.prepare(request)
-                except (ConnectionError, aiohttp.ClientConnectionError):
-                    resp.close()
-                    hooks.complete("client_disconnect")
-                    return out
+            if client is None:
+                client = ClientStream(request, hooks, out_headers, resp)
+                if not await client.open():
+                    return client.out
                 hooks.first_token()
-            if not await client_write(out, b"".join(pieces)):
-                resp.close()
-                hooks.complete("client_disconnect")
-                return out
-        if failure is not None:
+            if not await client.send(b"".join(pieces)):
+                return client.out
+        if failure is not None or done:
             break
+    failure = failure or chunks.failure
     if tr.usage is not None:
         hooks.usage(tr.usage)
-    if out is None:
+    if client is None:
         # Not a byte went out: the worker failed before its first output.
-        msg = failure[2] if failure else f"worker {worker.id} ended the stream before any output"
-        raise RetryableUpstreamError(f"{worker.id}: {msg}", status=failure[1] if failure else 502)
+        msg = failure.message if failure else f"worker {worker.id} ended the stream before any output"
+        raise RetryableUpstreamError(f"{worker.id}: {msg}", status=failure.status if failure else 502)
     if failure is None and not tr.finished:
-        failure = ("upstream_error", 502, f"worker {worker.id} ended the stream without a finish_reason")
-    if failure is not None:
-        resp.close()
-        await client_write(out, error_event(failure[1], failure[2], code="upstream_stream_error") + DONE_EVENT)
-        await client_eof(out)
-        hooks.complete(failure[0])
-        return out
-    await client_write(out, DONE_EVENT)
-    await client_eof(out)
-    hooks.complete("ok")
-    return out
+        failure = StreamFailure("upstream_error", 502, f"worker {worker.id} ended the stream without a finish_reason")
+    return await client.finish(failure, DONE_EVENT)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from mmroute.sim.vllm_hash import HASH_ALGOS
@@ -123,30 +123,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
     replay = args.replay_endpoint
     if replay is not None and replay.lower() in ("", "none", "off"):
         replay = None
-    cfg = SimConfig(
-        model=args.model,
-        served_model_name=args.served_model_name,
-        host=args.host,
-        port=args.port,
-        backend=args.backend,
-        sglang_version=args.sglang_version,
-        ignore_mm_hashes=getattr(args, "ignore_mm_hashes", False),
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
-        kv_endpoint=args.kv_endpoint,
-        kv_bind=getattr(args, "kv_bind", False),
-        replay_endpoint=replay,
-        topic=args.topic,
-        wire_format=args.wire_format,
-        int_hashes=args.int_hashes,
-        hash_algo=args.hash_algo,
-        prefill_ms_per_token=args.prefill_ms_per_token,
-        decode_ms_per_token=args.decode_ms_per_token,
-        max_concurrency=args.max_concurrency,
-        max_model_len=args.max_model_len,
-        default_max_tokens=getattr(args, "default_max_tokens", 16),
-        lora_modules=tuple(loras),
-    )
+    # Every flag is named after its SimConfig field; a Namespace without one keeps the default.
+    flags = {f.name: getattr(args, f.name) for f in fields(SimConfig) if hasattr(args, f.name)}
+    cfg = SimConfig(**{**flags, "replay_endpoint": replay, "lora_modules": tuple(loras)})
     validate(cfg)
     return cfg
 

@@ -51,16 +51,6 @@ async def _errors(request: web.Request, handler: Callable) -> web.StreamResponse
         return web.json_response(RouterError(500, f"internal error: {type(exc).__name__}").body(), status=500)
 
 
-async def read_json(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise RouterError(400, "the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise RouterError(400, "the request body must be a JSON object")
-    return body
-
-
 class _Metrics:
     """Scrape-time collector reading the worker's live state."""
 
@@ -71,20 +61,21 @@ class _Metrics:
         w = self.w
         eng = w.engine
         name = w.config.model_name
-        if w.config.backend == "vllm":
-            labels = ["model_name", "engine"]
-            vals = [name, "0"]
+        # vLLM labels every metric with the engine index too.
+        vllm = w.config.backend == "vllm"
+        labels, vals = (["model_name", "engine"], [name, "0"]) if vllm else (["model_name"], [name])
 
-            def g(metric: str, doc: str, v: float) -> GaugeMetricFamily:
-                m = GaugeMetricFamily(metric, doc, labels=labels)
-                m.add_metric(vals, v)
-                return m
+        def g(metric: str, doc: str, v: float) -> GaugeMetricFamily:
+            m = GaugeMetricFamily(metric, doc, labels=labels)
+            m.add_metric(vals, v)
+            return m
 
-            def c(metric: str, doc: str, v: float) -> CounterMetricFamily:
-                m = CounterMetricFamily(metric, doc, labels=labels)
-                m.add_metric(vals, v)
-                return m
+        def c(metric: str, doc: str, v: float) -> CounterMetricFamily:
+            m = CounterMetricFamily(metric, doc, labels=labels)
+            m.add_metric(vals, v)
+            return m
 
+        if vllm:
             yield g("vllm:num_requests_running", "Number of requests in model execution batches.", w.runner.running)
             yield g("vllm:num_requests_waiting", "Number of requests waiting to be processed.", w.runner.waiting)
             yield g("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", eng.usage())
@@ -95,19 +86,6 @@ class _Metrics:
             yield c("vllm:generation_tokens", "Number of generation tokens processed.", eng.generation_tokens)
             yield c("vllm:request_success", "Count of successfully processed requests.", w.runner.finished_requests)
         else:
-            labels = ["model_name"]
-            vals = [name]
-
-            def g(metric: str, doc: str, v: float) -> GaugeMetricFamily:
-                m = GaugeMetricFamily(metric, doc, labels=labels)
-                m.add_metric(vals, v)
-                return m
-
-            def c(metric: str, doc: str, v: float) -> CounterMetricFamily:
-                m = CounterMetricFamily(metric, doc, labels=labels)
-                m.add_metric(vals, v)
-                return m
-
             hit_rate = eng.prefix_hits / eng.prefix_queries if eng.prefix_queries else 0.0
             yield g("sglang:num_running_reqs", "The number of running requests.", w.runner.running)
             yield g("sglang:num_queue_reqs", "The number of requests in the waiting queue.", w.runner.waiting)

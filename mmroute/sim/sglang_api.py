@@ -18,8 +18,9 @@ from aiohttp import web
 from mmroute.errors import RouterError
 from mmroute.models.base import ImageInput
 from mmroute.sim import openai
+from mmroute.sim.api_common import EngineApi, read_json
 from mmroute.sim.processor import Prompt
-from mmroute.sim.sglang_engine import CapacityError, SglangSeq
+from mmroute.sim.sglang_engine import SglangSeq
 
 if TYPE_CHECKING:
     from mmroute.sim.server import SimWorker
@@ -51,15 +52,7 @@ def _extra_key(body: Mapping[str, Any]) -> Hashable:
     return parts if any(p is not None for p in parts) else None
 
 
-class _SglangApi:
-    def __init__(self, worker: "SimWorker"):
-        self.w = worker
-        self.created = int(time.time())
-
-    @property
-    def proc(self):  # noqa: ANN201
-        return self.w.processor
-
+class _SglangApi(EngineApi):
     @property
     def version(self) -> str:
         return self.w.config.sglang_version
@@ -70,22 +63,9 @@ class _SglangApi:
         v = tuple(int(x) for x in re.findall(r"\d+", self.version)[:3])
         return self.w.config.ignore_mm_hashes or v < (0, 5, 18)
 
-    async def _admit(self, seq: SglangSeq, n: int) -> int:
-        try:
-            return await self.w.runner.admit(seq, n)
-        except CapacityError as exc:
-            raise RouterError(400, f"the request does not fit in the KV cache: {exc}") from None
-
-    def _check(self, ids: list[int], n: int, explicit: bool) -> int:
-        n = self.w.max_tokens_cap(len(ids), n, explicit)
-        self.proc.renderer.check_length(len(ids), n)
-        return n
-
     # --- /generate --------------------------------------------------------------------------
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        from mmroute.sim.server import read_json
-
         t0 = time.monotonic()
         body = await read_json(request)
         text, input_ids = body.get("text"), body.get("input_ids")
@@ -176,32 +156,14 @@ class _SglangApi:
         return Prompt(view, rendered.mm_items, rendered.num_images)
 
     async def _openai(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        from mmroute.sim.server import read_json
-
         body = await read_json(request)
-        stream, include_usage, continuous = openai.check_stream_options(body)
+        stream_options = openai.check_stream_options(body)
         prompt = await self._chat_prompt(body) if chat else self.proc.completion(body)
-        explicit = body.get("max_tokens") is not None or (chat and body.get("max_completion_tokens") is not None)
-        n = self._check(prompt.token_ids, openai.parse_max_tokens(body, self.w.config.default_max_tokens, chat=chat),
-                        explicit)
+        n = self._openai_max_tokens(body, prompt.token_ids, chat)
         seq = SglangSeq(openai.new_id(""), prompt.token_ids, extra_key=_extra_key(body))
-        cached = await self._admit(seq, n)
-        runner = self.w.runner
-        try:
-            return await openai.respond(
-                request,
-                chat=chat,
-                model=body.get("model") or self.w.config.model_name,
-                prompt_tokens=len(prompt.token_ids),
-                cached=cached,
-                tokens=runner.generate(seq, len(prompt.token_ids), cached, n),
-                stream=stream,
-                include_usage=include_usage,
-                continuous_usage=continuous,
-                always_details=False,
-            )
-        finally:
-            runner.release(seq)
+        return await self._openai_answer(
+            request, body, seq, prompt.token_ids, n, chat=chat, stream_options=stream_options, always_details=False
+        )
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._openai(request, chat=True)

@@ -27,16 +27,13 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable, Hashable
+from typing import Hashable
 
+from mmroute.sim.engine_common import CapacityError, Emit, EngineCore
 from mmroute.sim.sglang_hash import chain_pages, wire_int64
-from mmroute.sim.wire import Cleared, Record, Removed, Stored
+from mmroute.sim.wire import Cleared, Removed, Stored
 
-Emit = Callable[[list[Record]], None]
-
-
-class CapacityError(ValueError):
-    """The request can never fit in the KV pool."""
+__all__ = ["CapacityError", "SglangEngine", "SglangSeq"]
 
 
 @dataclass(eq=False)
@@ -75,24 +72,19 @@ class SglangSeq:
         return len(self.input_ids)
 
 
-class SglangEngine:
+class SglangEngine(EngineCore):
+    UNIT, POOL = "pages", "pool"
+
     def __init__(self, num_pages: int, page_size: int, *, emit: Emit | None = None):
         if page_size <= 0 or num_pages <= 0:
             raise ValueError("page_size and num_pages must be positive")
+        super().__init__(emit)
         self.page_size = page_size
         self.num_pages = num_pages
-        self._emit = emit or (lambda records: None)
         self._ids = itertools.count(1)
         self._tick = 0
-        self._pending: list[Record] = []
-        self._reserved_total = 0
-        self.running: dict[str, SglangSeq] = {}
         self.free_pages = num_pages
         self.evictable_pages = 0
-        self.prefix_queries = 0
-        self.prefix_hits = 0
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
         self._reset_tree()
         # SGLang's RadixCache.reset() at start-up publishes AllBlocksCleared (seq 0).
         self._pending.append(Cleared())
@@ -247,48 +239,35 @@ class SglangEngine:
             raise CapacityError(f"cannot allocate {n} pages, {self.free_pages} free")
         self.free_pages -= n
 
-    def _flush(self) -> None:
-        if self._pending:
-            records, self._pending = self._pending, []
-            self._emit(records)
-
     # --- request lifecycle ----------------------------------------------------------------
 
     def usage(self) -> float:
         """sglang:token_usage: the fraction of the pool not free (tree + requests)."""
         return 1.0 - self.free_pages / self.num_pages
 
-    def _lifetime_pages(self, seq: SglangSeq, max_new_tokens: int) -> int:
-        tokens = seq.num_prompt + max(max_new_tokens, 1) - 1
-        return -(-tokens // self.page_size)
+    @property
+    def unit_tokens(self) -> int:
+        return self.page_size
 
-    def fits_ever(self, seq: SglangSeq, max_new_tokens: int) -> bool:
-        return self._lifetime_pages(seq, max_new_tokens) <= self.num_pages
+    @property
+    def capacity(self) -> int:
+        return self.num_pages
 
     def try_prefill(self, seq: SglangSeq, max_new_tokens: int) -> int | None:
         """Admit and prefill ``seq`` if its lifetime fits; return ``cached_tokens`` or
         None (keep waiting). Publishes the step's batch (removes, then the store)."""
-        if seq.request_id in self.running:
-            raise ValueError(f"request {seq.request_id!r} already running")
-        if seq.num_prompt == 0:
-            raise ValueError("empty prompt")
-        if not self.fits_ever(seq, max_new_tokens):
-            raise CapacityError(
-                f"request needs {self._lifetime_pages(seq, max_new_tokens)} KV pages, the pool has {self.num_pages}"
-            )
+        self._check_new(seq, max_new_tokens)
         P = self.page_size
         L = seq.num_prompt
         now = self._now()
         max_prefix = (L - 1) // P * P  # _compute_max_prefix_len: last token recomputed
         node, prefix = self._walk(seq.input_ids[:max_prefix], seq.extra_key, now)
         self._inc_lock(node)
-        lifetime_new = self._lifetime_pages(seq, max_new_tokens) - prefix // P
+        lifetime_new = self._lifetime(seq, max_new_tokens) - prefix // P
         if self.free_pages + self.evictable_pages - self._reserved_total < lifetime_new:
             self._dec_lock(node)
             return None
-        self.prefix_queries += L
-        self.prefix_hits += prefix
-        self.prompt_tokens += L
+        self._count_prefill(L, prefix)
         seq.last_node = node
         seq.protected_len = prefix
         seq.cached_tokens = prefix
@@ -298,9 +277,7 @@ class SglangEngine:
         prompt_pages = -(-L // P) - prefix // P
         self._alloc_pages(prompt_pages)
         seq.private_pages = prompt_pages
-        seq.reserved = lifetime_new - prompt_pages
-        self._reserved_total += seq.reserved
-        self.running[seq.request_id] = seq
+        self._start(seq, lifetime_new - prompt_pages)
         self._cache(seq, seq.input_ids[: L // P * P], now)
         self._flush()
         return prefix
@@ -324,8 +301,7 @@ class SglangEngine:
         seq.protected_len = len(tokens)
 
     def append_token(self, seq: SglangSeq, token_id: int, *, compute: bool) -> None:
-        seq.token_ids.append(token_id)
-        self.generation_tokens += 1
+        self._add_token(seq, token_id)
         if not compute:
             return
         P = self.page_size
@@ -334,20 +310,14 @@ class SglangEngine:
         if need > 0:
             if self.free_pages < need:
                 self._evict(need * P)
-            take = min(need, seq.reserved)
-            seq.reserved -= take
-            self._reserved_total -= take
+            self._take_reserved(seq, need)
             self._alloc_pages(need)
             seq.private_pages += need
         self._flush()
 
     def finish(self, seq: SglangSeq) -> None:
-        if seq.finished:
+        if not self._retire(seq):
             return
-        seq.finished = True
-        self.running.pop(seq.request_id, None)
-        self._reserved_total -= seq.reserved
-        seq.reserved = 0
         P = self.page_size
         committed = max(len(seq.token_ids) - 1, seq.num_prompt)
         aligned = committed // P * P

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Any, Mapping
 
 from aiohttp import web
 
 from mmroute.errors import RouterError
 from mmroute.sim import openai
-from mmroute.sim.processor import Prompt
-from mmroute.sim.vllm_engine import CapacityError, VllmSeq
+from mmroute.sim.api_common import EngineApi, read_json
+from mmroute.sim.vllm_engine import VllmSeq
 from mmroute.sim.vllm_hash import LoraRef, MMSpan
 
 if TYPE_CHECKING:
@@ -29,15 +28,7 @@ def add_routes(app: web.Application, worker: "SimWorker") -> None:
     app.router.add_get("/kv_event_sources", api.kv_event_sources)
 
 
-class _VllmApi:
-    def __init__(self, worker: "SimWorker"):
-        self.w = worker
-        self.created = int(time.time())
-
-    @property
-    def proc(self):  # noqa: ANN201
-        return self.w.processor
-
+class _VllmApi(EngineApi):
     def _lora(self, body: Mapping[str, Any]) -> LoraRef | None:
         """The adapter named by ``model`` (vLLM serves LoRAs under their own name)."""
         model = body.get("model")
@@ -48,24 +39,17 @@ class _VllmApi:
             raise RouterError(404, f"The model `{model}` does not exist.", param="model", err_type="NotFoundError")
         return LoraRef(mod.name, mod.int_id, mod.path)
 
-    def _max_tokens(self, body: Mapping[str, Any], prompt: Prompt, chat: bool) -> int:
-        explicit = body.get("max_tokens") is not None or (chat and body.get("max_completion_tokens") is not None)
-        n = openai.parse_max_tokens(body, self.w.config.default_max_tokens, chat=chat)
-        n = self.w.max_tokens_cap(len(prompt.token_ids), n, explicit)
-        self.proc.renderer.check_length(len(prompt.token_ids), n)
-        return n
-
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
-        body = await _read(request)
+        body = await read_json(request)
         lora = self._lora(body)
-        stream, include_usage, continuous = openai.check_stream_options(body)
+        stream_options = openai.check_stream_options(body)
         if body.get("n") not in (None, 1):
             raise RouterError(400, "the simulator serves n=1 only", param="n")
         salt = body.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise RouterError(400, "'cache_salt' must be a non-empty string", param="cache_salt")
         prompt = await self.proc.vllm_chat(body) if chat else self.proc.completion(body)
-        n = self._max_tokens(body, prompt, chat)
+        n = self._openai_max_tokens(body, prompt.token_ids, chat)
         seq = VllmSeq(
             openai.new_id("sim-"),
             prompt.token_ids,
@@ -73,28 +57,11 @@ class _VllmApi:
             lora=lora,
             cache_salt=salt,
         )
-        runner = self.w.runner
-        try:
-            cached = await runner.admit(seq, n)
-        except CapacityError as exc:
-            raise RouterError(400, f"the request does not fit in the KV cache: {exc}") from None
         extra = {"prompt_token_ids": list(prompt.token_ids)} if body.get("return_token_ids") else None
-        try:
-            return await openai.respond(
-                request,
-                chat=chat,
-                model=body.get("model") or self.w.config.model_name,
-                prompt_tokens=len(prompt.token_ids),
-                cached=cached,
-                tokens=runner.generate(seq, len(prompt.token_ids), cached, n),
-                stream=stream,
-                include_usage=include_usage,
-                continuous_usage=continuous,
-                always_details=True,
-                extra_response=extra,
-            )
-        finally:
-            runner.release(seq)
+        return await self._openai_answer(
+            request, body, seq, prompt.token_ids, n,
+            chat=chat, stream_options=stream_options, always_details=True, extra_response=extra,
+        )
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=True)
@@ -103,7 +70,7 @@ class _VllmApi:
         return await self._serve(request, chat=False)
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = await _read(request)
+        body = await read_json(request)
         if body.get("model") is not None:
             self._lora(body)
         if "messages" in body:
@@ -117,7 +84,7 @@ class _VllmApi:
         )
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        body = await _read(request)
+        body = await read_json(request)
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise RouterError(400, "'tokens' must be a list of token ids", param="tokens")
@@ -165,9 +132,3 @@ class _VllmApi:
                 }
             }
         )
-
-
-async def _read(request: web.Request) -> dict[str, Any]:
-    from mmroute.sim.server import read_json
-
-    return await read_json(request)

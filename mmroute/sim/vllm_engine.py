@@ -26,16 +26,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
+from mmroute.sim.engine_common import CapacityError, Emit, EngineCore
 from mmroute.sim.vllm_hash import LoraRef, MMSpan, VllmBlockHasher, wire_hash
-from mmroute.sim.wire import Cleared, Record, Removed, Stored
+from mmroute.sim.wire import Cleared, Removed, Stored
 
-Emit = Callable[[list[Record]], None]
-
-
-class CapacityError(ValueError):
-    """The request can never fit in the KV cache (more blocks than the pool holds)."""
+__all__ = ["CapacityError", "VllmEngine", "VllmSeq"]
 
 
 @dataclass
@@ -73,8 +70,10 @@ class VllmSeq:
         return len(self.prompt_ids)
 
 
-class VllmEngine:
+class VllmEngine(EngineCore):
     """Block pool + per-request bookkeeping; publishes through ``emit``."""
+
+    UNIT, POOL = "blocks", "cache"
 
     def __init__(
         self,
@@ -90,31 +89,31 @@ class VllmEngine:
             raise ValueError("block_size must be positive")
         if num_blocks < 2:
             raise ValueError("num_blocks must be at least 2 (block 0 is the null block)")
+        super().__init__(emit)
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.hasher = hasher or VllmBlockHasher()
         self.int_hashes = int_hashes
         # False: vLLM <= 0.23, where every freed block goes to the tail.
         self.hashless_first = hashless_first
-        self._emit = emit or (lambda records: None)
         self._blocks = [_Block(i) for i in range(num_blocks)]
         # Free queue, head = next to allocate/evict. Block 0 is the null block.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self._cached: dict[bytes, dict[int, _Block]] = {}
-        self._pending: list[Record] = []
-        self._reserved_total = 0
-        self.running: dict[str, VllmSeq] = {}
-        # Prometheus-style counters (vllm:prefix_cache_queries/hits, prompt_tokens).
-        self.prefix_queries = 0
-        self.prefix_hits = 0
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
 
     # --- pool ------------------------------------------------------------------------
 
     @property
     def usable_blocks(self) -> int:
         return self.num_blocks - 1
+
+    @property
+    def unit_tokens(self) -> int:
+        return self.block_size
+
+    @property
+    def capacity(self) -> int:
+        return self.usable_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -178,11 +177,6 @@ class VllmEngine:
             self._free[blk.block_id] = None
             self._free.move_to_end(blk.block_id, last=False)
 
-    def _flush(self) -> None:
-        if self._pending:
-            records, self._pending = self._pending, []
-            self._emit(records)
-
     # --- hashing -----------------------------------------------------------------------
 
     def _update_hashes(self, seq: VllmSeq) -> None:
@@ -240,42 +234,23 @@ class VllmEngine:
             hits.append(blk)
         return hits
 
-    def _lifetime_blocks(self, seq: VllmSeq, max_new_tokens: int) -> int:
-        # The last sampled token is never computed: P + n - 1 slots at most.
-        tokens = seq.num_prompt + max(max_new_tokens, 1) - 1
-        return -(-tokens // self.block_size)
-
-    def fits_ever(self, seq: VllmSeq, max_new_tokens: int) -> bool:
-        return self._lifetime_blocks(seq, max_new_tokens) <= self.usable_blocks
-
     def try_prefill(self, seq: VllmSeq, max_new_tokens: int) -> int | None:
         """Admit ``seq`` and run its prefill step if its whole lifetime fits in the free
         blocks not promised to running requests; return its ``cached_tokens``, or None
         (still waiting: nothing changed). Publishes the step's batch."""
-        if seq.request_id in self.running:
-            raise ValueError(f"request {seq.request_id!r} already running")
-        if seq.num_prompt == 0:
-            raise ValueError("empty prompt")
-        if not self.fits_ever(seq, max_new_tokens):
-            raise CapacityError(
-                f"request needs {self._lifetime_blocks(seq, max_new_tokens)} KV blocks, the cache has {self.usable_blocks}"
-            )
+        self._check_new(seq, max_new_tokens)
         hits = self._hit_blocks(seq)
-        lifetime_new = self._lifetime_blocks(seq, max_new_tokens) - len(hits)
+        lifetime_new = self._lifetime(seq, max_new_tokens) - len(hits)
         free_hits = sum(1 for b in hits if b.ref_cnt == 0)
         if self.num_free_blocks - self._reserved_total < lifetime_new + free_hits:
             return None
-        self.prefix_queries += seq.num_prompt
-        self.prefix_hits += len(hits) * self.block_size
-        self.prompt_tokens += seq.num_prompt
+        self._count_prefill(seq.num_prompt, len(hits) * self.block_size)
         self._touch(hits)
         prompt_blocks = -(-seq.num_prompt // self.block_size)
         seq.blocks = list(hits) + self._allocate(prompt_blocks - len(hits))
         seq.num_cached_blocks = len(hits)
         seq.num_cached_tokens = len(hits) * self.block_size
-        seq.reserved = lifetime_new - (prompt_blocks - len(hits))
-        self._reserved_total += seq.reserved
-        self.running[seq.request_id] = seq
+        self._start(seq, lifetime_new - (prompt_blocks - len(hits)))
         self._cache_full_blocks(seq, seq.num_prompt)
         self._flush()
         return seq.num_cached_tokens
@@ -283,27 +258,20 @@ class VllmEngine:
     def append_token(self, seq: VllmSeq, token_id: int, *, compute: bool) -> None:
         """A token was sampled. ``compute``: the request continues, so the next step
         computes this token (allocate its slot, store blocks it fills)."""
-        seq.token_ids.append(token_id)
-        self.generation_tokens += 1
+        self._add_token(seq, token_id)
         if not compute:
             return
         needed = -(-len(seq.token_ids) // self.block_size) - len(seq.blocks)
         if needed > 0:
-            take = min(needed, seq.reserved)
-            seq.reserved -= take
-            self._reserved_total -= take
+            self._take_reserved(seq, needed)
             seq.blocks.extend(self._allocate(needed))
         self._cache_full_blocks(seq, len(seq.token_ids))
         self._flush()
 
     def finish(self, seq: VllmSeq) -> None:
         """Free the request's blocks, tail first (SingleTypeKVCacheManager.free)."""
-        if seq.finished:
+        if not self._retire(seq):
             return
-        seq.finished = True
-        self.running.pop(seq.request_id, None)
-        self._reserved_total -= seq.reserved
-        seq.reserved = 0
         self._free_blocks(list(reversed(seq.blocks)))
         seq.blocks = []
         self._flush()

@@ -24,7 +24,6 @@ from typing import Any, Union
 
 import msgspec
 
-FLAVORS = ("vllm-map", "vllm-array", "sglang-map", "sglang-array")
 MEDIUM_GPU = "GPU"
 FULL_ATTENTION = "full_attention"
 
@@ -59,119 +58,78 @@ class Cleared:
 Record = Union[Stored, Removed, Cleared]
 
 
-# --- vLLM >= 0.24 (map era), as of 0.33.0 -----------------------------------------------
+# --- the engines' event structs ------------------------------------------------------------
+# Field lists in the engines' declaration order (the array flavours write them by position);
+# each flavour's BlockStored / BlockRemoved / AllBlocksCleared is built from one of them.
+
+# vLLM 0.22-0.23 (``vllm/distributed/kv_events.py``); the map era appends fields at the end.
+_VLLM_STORED: list[tuple[Any, ...]] = [
+    ("block_hashes", list[Any]),
+    ("parent_block_hash", Any),
+    ("token_ids", list[int]),
+    ("block_size", int),
+    ("lora_id", Any),
+    ("medium", Any),
+    ("lora_name", Any),
+    ("extra_keys", Any, None),
+    ("group_idx", Any, None),
+    ("kv_cache_spec_kind", Any, None),
+    ("kv_cache_spec_sliding_window", Any, None),
+]
+_VLLM_REMOVED: list[tuple[Any, ...]] = [("block_hashes", list[Any]), ("medium", Any), ("group_idx", Any, None)]
+# Added by vLLM >= 0.24 (map era), as of 0.33.0.
+_VLLM_MAP_STORED = _VLLM_STORED + [
+    ("locality", Any, None),
+    ("ownership", Any, None),
+    ("session_id", Any, None),
+    ("lookahead_token_ids", Any, None),
+]
+_VLLM_MAP_REMOVED = _VLLM_REMOVED + [("locality", Any, None), ("ownership", Any, None)]
+
+# SGLang: the same fields in both eras, only the encoding changed.
+_SGLANG_STORED: list[tuple[Any, ...]] = [
+    ("block_hashes", list[int]),
+    ("parent_block_hash", Any),
+    ("token_ids", list[int]),
+    ("block_size", int),
+    ("lora_id", Any),
+    ("medium", Any),
+]
+_SGLANG_REMOVED: list[tuple[Any, ...]] = [("block_hashes", list[int]), ("medium", Any)]
 
 
-class _VMap(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    pass
+def _event_structs(
+    prefix: str, stored: list[tuple[Any, ...]], removed: list[tuple[Any, ...]], **config: Any
+) -> tuple[type[msgspec.Struct], type[msgspec.Struct], type[msgspec.Struct]]:
+    """One flavour's (BlockStored, BlockRemoved, AllBlocksCleared), tagged with the engines'
+    class names; ``config`` is the msgspec encoding (``array_like``, ``omit_defaults``)."""
+    stored_cls, removed_cls, cleared_cls = (
+        msgspec.defstruct(prefix + tag, fields, tag=tag, gc=False, module=__name__, **config)
+        for tag, fields in (("BlockStored", stored), ("BlockRemoved", removed), ("AllBlocksCleared", []))
+    )
+    return stored_cls, removed_cls, cleared_cls
 
 
-class VMapBlockStored(_VMap, tag="BlockStored"):
-    block_hashes: list[Any]
-    parent_block_hash: Any
-    token_ids: list[int]
-    block_size: int
-    lora_id: Any
-    medium: Any
-    lora_name: Any
-    extra_keys: Any = None
-    group_idx: Any = None
-    kv_cache_spec_kind: Any = None
-    kv_cache_spec_sliding_window: Any = None
-    locality: Any = None
-    ownership: Any = None
-    session_id: Any = None
-    lookahead_token_ids: Any = None
+VMapBlockStored, VMapBlockRemoved, VMapAllBlocksCleared = _event_structs(
+    "VMap", _VLLM_MAP_STORED, _VLLM_MAP_REMOVED, omit_defaults=True
+)
+VArrBlockStored, VArrBlockRemoved, VArrAllBlocksCleared = _event_structs(
+    "VArr", _VLLM_STORED, _VLLM_REMOVED, array_like=True, omit_defaults=True
+)
+SMapBlockStored, SMapBlockRemoved, SMapAllBlocksCleared = _event_structs(
+    "SMap", _SGLANG_STORED, _SGLANG_REMOVED, omit_defaults=True
+)
+SArrBlockStored, SArrBlockRemoved, SArrAllBlocksCleared = _event_structs(
+    "SArr", _SGLANG_STORED, _SGLANG_REMOVED, array_like=True
+)
 
-
-class VMapBlockRemoved(_VMap, tag="BlockRemoved"):
-    block_hashes: list[Any]
-    medium: Any
-    group_idx: Any = None
-    locality: Any = None
-    ownership: Any = None
-
-
-class VMapAllBlocksCleared(_VMap, tag="AllBlocksCleared"):
-    pass
-
-
-# --- vLLM 0.22-0.23 (positional era) -------------------------------------------------------
-
-
-class _VArr(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
-    pass
-
-
-class VArrBlockStored(_VArr, tag="BlockStored"):
-    block_hashes: list[Any]
-    parent_block_hash: Any
-    token_ids: list[int]
-    block_size: int
-    lora_id: Any
-    medium: Any
-    lora_name: Any
-    extra_keys: Any = None
-    group_idx: Any = None
-    kv_cache_spec_kind: Any = None
-    kv_cache_spec_sliding_window: Any = None
-
-
-class VArrBlockRemoved(_VArr, tag="BlockRemoved"):
-    block_hashes: list[Any]
-    medium: Any
-    group_idx: Any = None
-
-
-class VArrAllBlocksCleared(_VArr, tag="AllBlocksCleared"):
-    pass
-
-
-# --- SGLang ----------------------------------------------------------------------------
-
-
-class _SMap(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    pass
-
-
-class SMapBlockStored(_SMap, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: Any
-    token_ids: list[int]
-    block_size: int
-    lora_id: Any
-    medium: Any
-
-
-class SMapBlockRemoved(_SMap, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: Any
-
-
-class SMapAllBlocksCleared(_SMap, tag="AllBlocksCleared"):
-    pass
-
-
-class _SArr(msgspec.Struct, tag=True, array_like=True, gc=False):
-    pass
-
-
-class SArrBlockStored(_SArr, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: Any
-    token_ids: list[int]
-    block_size: int
-    lora_id: Any
-    medium: Any
-
-
-class SArrBlockRemoved(_SArr, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: Any
-
-
-class SArrAllBlocksCleared(_SArr, tag="AllBlocksCleared"):
-    pass
+_STRUCTS = {
+    "vllm-map": (VMapBlockStored, VMapBlockRemoved, VMapAllBlocksCleared),
+    "vllm-array": (VArrBlockStored, VArrBlockRemoved, VArrAllBlocksCleared),
+    "sglang-map": (SMapBlockStored, SMapBlockRemoved, SMapAllBlocksCleared),
+    "sglang-array": (SArrBlockStored, SArrBlockRemoved, SArrAllBlocksCleared),
+}
+FLAVORS = tuple(_STRUCTS)
 
 
 class Batch(msgspec.Struct, array_like=True, gc=False):
@@ -192,15 +150,14 @@ class WireEncoder:
         if flavor not in FLAVORS:
             raise ValueError(f"unknown wire flavor {flavor!r} (one of {', '.join(FLAVORS)})")
         self.flavor = flavor
+        self._vllm = flavor.startswith("vllm")
+        self._stored, self._removed, self._cleared = _STRUCTS[flavor]
         self._enc = msgspec.msgpack.Encoder()
 
     def to_struct(self, rec: Record) -> msgspec.Struct:
-        f = self.flavor
         if isinstance(rec, Stored):
-            if f == "vllm-map" or f == "vllm-array":
-                cls = VMapBlockStored if f == "vllm-map" else VArrBlockStored
-                n = len(rec.block_hashes)
-                return cls(
+            if self._vllm:
+                return self._stored(
                     block_hashes=list(rec.block_hashes),
                     parent_block_hash=rec.parent_block_hash,
                     token_ids=list(rec.token_ids),
@@ -208,12 +165,11 @@ class WireEncoder:
                     lora_id=rec.lora_id,
                     medium=MEDIUM_GPU,
                     lora_name=rec.lora_name,
-                    extra_keys=list(rec.extra_keys) if rec.extra_keys is not None else [None] * n,
+                    extra_keys=list(rec.extra_keys) if rec.extra_keys is not None else [None] * len(rec.block_hashes),
                     group_idx=0,
                     kv_cache_spec_kind=FULL_ATTENTION,
                 )
-            cls = SMapBlockStored if f == "sglang-map" else SArrBlockStored
-            return cls(
+            return self._stored(
                 block_hashes=list(rec.block_hashes),
                 parent_block_hash=rec.parent_block_hash,
                 token_ids=list(rec.token_ids),
@@ -222,19 +178,11 @@ class WireEncoder:
                 medium=MEDIUM_GPU,
             )
         if isinstance(rec, Removed):
-            if f == "vllm-map":
-                return VMapBlockRemoved(block_hashes=list(rec.block_hashes), medium=MEDIUM_GPU, group_idx=0)
-            if f == "vllm-array":
-                return VArrBlockRemoved(block_hashes=list(rec.block_hashes), medium=MEDIUM_GPU, group_idx=0)
-            cls = SMapBlockRemoved if f == "sglang-map" else SArrBlockRemoved
-            return cls(block_hashes=list(rec.block_hashes), medium=MEDIUM_GPU)
+            if self._vllm:
+                return self._removed(block_hashes=list(rec.block_hashes), medium=MEDIUM_GPU, group_idx=0)
+            return self._removed(block_hashes=list(rec.block_hashes), medium=MEDIUM_GPU)
         if isinstance(rec, Cleared):
-            return {
-                "vllm-map": VMapAllBlocksCleared,
-                "vllm-array": VArrAllBlocksCleared,
-                "sglang-map": SMapAllBlocksCleared,
-                "sglang-array": SArrAllBlocksCleared,
-            }[f]()
+            return self._cleared()
         raise TypeError(f"not an event record: {rec!r}")
 
     def encode(self, ts: float, records: list[Record], dp_rank: int = 0) -> bytes:
