@@ -73,3 +73,61 @@ async def test_base_model_template_without_placeholders_falls_back():
         assert metric_value(text, "mmroute_mm_fallback_total", {"reason": "placeholder_count"}) == 1
     finally:
         await fleet.close()
+
+
+@pytest.mark.parametrize("model,exact", [(LLAVA15, True), (GEMMA3, False)])
+async def test_family_images_on_sglang(model, exact):
+    """SGLang re-tokenizes the /generate text with special tokens (LLaVA gains a BOS the
+    vLLM view lacks) and pads Gemma-3's soft tokens only: the router's SGLang view follows
+    the first exactly and keys the second on its text prefix."""
+    path = model_dir(model)
+    messages = [{"role": "user", "content": [*_parts((640, 480)), {"type": "text", "text": "What is it?"}]}]
+    sims = start_sims(1, path, ["--backend", "sglang", "--num-blocks", "4096"])
+    fleet = await start_fleet(sims, path, own_sims=True)
+    try:
+        for rep in range(2):
+            ex = await fleet.explain({"model": "m", "messages": messages})
+            cand = ex["candidates"][0]
+            _, data = await fleet.chat(messages)
+            assert data["usage"]["prompt_tokens"] == ex["prompt_tokens"] + (1 if model == LLAVA15 else 0)
+            cached = (data["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            if rep == 1:
+                assert cand["view"] == ("sglang:wide" if exact else "sglang:text")
+                if exact:
+                    p = data["usage"]["prompt_tokens"]
+                    assert cached == cand["predicted_cached_tokens"] == ((p - 1) // BS) * BS
+                else:
+                    first = ex["mm_items"][0]["offset"]
+                    assert cand["overlap_blocks"] == first // BS
+            await fleet.sync()
+        assert metric_value(await fleet.metrics_text(), "mmroute_prediction_mismatch_total",
+                            {"direction": "over"}) == 0
+    finally:
+        await fleet.close()
+
+
+async def test_uuid_lands_on_the_right_part_whatever_its_type():
+    """input_image parts and untyped parts count as images for vLLM too: each must carry
+    its own identifier, in order."""
+    from mmroute.api.context import AppContext
+    from mmroute.api.pipeline import forward_chat_body, prepare
+    from mmroute.config import RouterConfig, WorkerSpec
+    from mmroute.media.identity import image_identifier
+    from mmroute.workers.registry import Worker
+
+    a, b, c = png_bytes(64, 64, (1, 1, 1)), png_bytes(64, 64, (2, 2, 2)), png_bytes(64, 64, (3, 3, 3))
+    body = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": data_url(a)},
+        {"image_url": {"url": data_url(b)}},
+        {"type": "image_url", "image_url": {"url": data_url(c)}},
+        {"type": "text", "text": "Three pictures."}]}]}
+    ctx = AppContext(RouterConfig(model=model_dir(QWEN3_VL), served_model_name=["m"],
+                                  workers=[WorkerSpec.parse("http://127.0.0.1:1,name=w")]))
+    prep = await prepare(ctx, "chat", body)
+    assert [it.identifier for it in prep.prompt.mm_items] == [image_identifier(x) for x in (a, b, c)]
+    out = forward_chat_body(ctx, prep, Worker(WorkerSpec.parse("http://127.0.0.1:1,name=w,backend=vllm")))
+    parts = out["messages"][0]["content"]
+    assert [p.get("uuid") for p in parts] == [image_identifier(a), image_identifier(b), image_identifier(c), None]
+    assert "uuid" not in body["messages"][0]["content"][0]  # the client's body is not mutated
+    await ctx.fetcher.close()
+    await ctx.upstream.close()

@@ -280,7 +280,7 @@ def pack(obj) -> bytes:
     ([b"t", SEQ0, b"\xc1"], "not valid msgpack"),
     ([b"t", SEQ0, b"\x93\xcb\x41"], "not valid msgpack"),
     ([b"t", SEQ0, b""], "not valid msgpack"),
-    ([b"t", SEQ0, pack({"ts": 1.0, "events": []})], "must be an array"),
+    ([b"t", SEQ0, pack({"ts": 1.0, "evts": []})], "must be an array"),
     ([b"t", SEQ0, pack(7)], "must be an array"),
     ([b"t", SEQ0, pack([1.0])], "must be an array"),
     ([b"t", SEQ0, pack(["now", []])], "ts must be a number"),
@@ -373,3 +373,12 @@ def test_replay_request_and_replay_errors():
         decode_replay([b"", b"kv", b"\x00", payload])
     with pytest.raises(WireError, match="msgpack"):
         decode_replay([b"", SEQ0, b"\xc1"])
+
+
+def test_map_encoded_batch_is_read_by_field_name():
+    """A build that declared EventBatch without array_like sends a map (vLLM commit
+    0181ea31 era): read it by name rather than dropping every message."""
+    payload = pack({"ts": 5.0, "events": [["AllBlocksCleared"]], "data_parallel_rank": 3})
+    msg = decode_message([b"t", SEQ0, payload])
+    assert msg.batch.ts == 5.0 and msg.batch.dp_rank == 3
+    assert [type(e).__name__ for e in msg.batch.events] == ["AllBlocksCleared"]

@@ -123,7 +123,7 @@ async def _send(ctx: AppContext, request: web.Request, prep: Prepared, route: Ro
                                                include_usage=_include_usage(prep.body), request_id=request_id,
                                                hooks=hooks)
         else:
-            body = forward_chat_body(prep, route, worker)
+            body = forward_chat_body(ctx, prep, worker)
             resp = await proxy_openai(request, ctx.upstream, worker, path, body, request_id=request_id, hooks=hooks)
         status = resp.status
         return resp

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from mmroute.errors import RouterError, bad_request
 from mmroute.media.resolve import ImageRef
+from mmroute.models.base import MMItem
 from mmroute.proxy.sglang import generate_unsupported
 from mmroute.render.renderer import RenderedPrompt, UnroutablePrompt
 from mmroute.routing import views
@@ -67,6 +68,7 @@ class ViewKeys:
     keys: list[int]
     tokens: int  # length of the view's token list (for cached-token prediction)
     mm_exact: bool  # image blocks are keyed exactly in this view
+    added: int = 0  # tokens the engine adds to our prompt in this view (SGLang's BOS)
 
 
 @dataclass
@@ -86,10 +88,15 @@ class Route:
         p = self.prepared.prompt_tokens
         return math.ceil(p / self.block_size) if p else 0
 
+    def prompt_tokens_for(self, worker_id: str) -> int:
+        """Prompt length as that worker's engine counts it (its view may add a BOS)."""
+        v = self.views.get(worker_id)
+        return self.prepared.prompt_tokens + (v.added if v is not None else 0)
+
     def predicted_cached_tokens(self, worker_id: str) -> int:
         """What the worker should report as cached: block-aligned, last token recomputed
         (ENGINES.md §2.5, §3.4)."""
-        p = self.prepared.prompt_tokens
+        p = self.prompt_tokens_for(worker_id)
         if p == 0:
             return 0
         bs = self.block_size
@@ -222,7 +229,10 @@ def _view_for(ctx: "AppContext", prep: Prepared, w: "Worker", bs: int, cache: di
     if prep.lora_name or prep.cache_salt is not None:
         return cache.setdefault("sglang:nomatch", ViewKeys("sglang:nomatch", [], len(p.token_ids), False))
     scheme = views.sglang_scheme_for_version(w.version or "") if p.mm_items else None
-    if p.mm_items and (scheme is None or not w.mm_hashes_ok or prep.generate_unsupported):
+    # Families whose SGLang token view differs from vLLM's beyond pad values (Gemma-3:
+    # SGLang expands in text and pads only the soft tokens) are keyed on text only there.
+    sglang_exact = getattr(ctx.renderer.family, "sglang_exact", True)
+    if p.mm_items and (scheme is None or not w.mm_hashes_ok or prep.generate_unsupported or not sglang_exact):
         # Image pages unmatchable on this worker: key the text before the first image only.
         name = "sglang:text"
         if name not in cache:
@@ -231,8 +241,25 @@ def _view_for(ctx: "AppContext", prep: Prepared, w: "Worker", bs: int, cache: di
         return cache[name]
     name = f"sglang:{scheme or 'plain'}"
     if name not in cache:
-        cache[name] = ViewKeys(name, views.sglang_view_keys(p.token_ids, p.mm_items, bs, scheme), len(p.token_ids), True)
+        tokens, items = p.token_ids, p.mm_items
+        if items:
+            tokens, items = _sglang_generate_ids(ctx, p)
+        cache[name] = ViewKeys(name, views.sglang_view_keys(tokens, items, bs, scheme), len(tokens), True,
+                               added=len(tokens) - len(p.token_ids))
     return cache[name]
+
+
+def _sglang_generate_ids(ctx: "AppContext", p: RenderedPrompt) -> tuple[list[int], list[Any]]:
+    """The ids SGLang builds from the ``/generate`` text: it tokenizes with special tokens
+    unless the text already starts with the BOS string (SGLang main
+    ``multimodal/processors/base_processor.py::process_mm_data``), so Llama-style
+    tokenizers whose template writes no BOS (LLaVA) get one more leading token."""
+    tok = ctx.renderer.tokenizer
+    if not tok.prefix_ids or (tok.bos_token and (p.text or "").startswith(tok.bos_token)):
+        return p.token_ids, p.mm_items
+    shift = len(tok.prefix_ids)
+    items = [MMItem(it.identifier, it.offset + shift, it.length) for it in p.mm_items]
+    return [*tok.prefix_ids, *p.token_ids, *tok.suffix_ids], items
 
 
 def decide(ctx: "AppContext", prep: Prepared, exclude: set[str] | frozenset[str] = frozenset()) -> Route:
@@ -277,7 +304,7 @@ def decide(ctx: "AppContext", prep: Prepared, exclude: set[str] | frozenset[str]
     return Route(prep, decision, bs, overlaps, per_worker, stages)
 
 
-def forward_chat_body(prep: Prepared, route: Route, worker: "Worker") -> dict[str, Any]:
+def forward_chat_body(ctx: "AppContext", prep: Prepared, worker: "Worker") -> dict[str, Any]:
     """The chat body a vLLM worker receives: unchanged, plus each image's identifier as
     the part's ``uuid`` so vLLM keys its blocks with it verbatim (ENGINES.md §2.1).
     No uuid at all when the router could not make the images exact."""
@@ -285,16 +312,10 @@ def forward_chat_body(prep: Prepared, route: Route, worker: "Worker") -> dict[st
     if prep.endpoint != "chat" or not prep.has_mm or worker.backend == "sglang":
         return body
     body = dict(body)
-    body["messages"] = msgs = copy.deepcopy(prep.body["messages"])
-    i = 0
-    for m in msgs:
-        content = m.get("content") if isinstance(m, dict) else None
-        if not isinstance(content, list):
-            continue
-        for part in content:
-            if isinstance(part, dict) and part.get("type") == "image_url":
-                img = prep.images[i] if i < len(prep.images) else None
-                if img is not None:
-                    part["uuid"] = img.identifier
-                i += 1
+    body["messages"] = copy.deepcopy(prep.body["messages"])
+    # The renderer's own notion of an image part (image_url, input_image, untyped parts
+    # with image_url/uuid), in the same order as prep.images: ids never shift parts.
+    for part, img in zip(ctx.renderer.image_parts(body["messages"]), prep.images):
+        if img is not None:
+            part["uuid"] = img.identifier
     return body

@@ -100,6 +100,10 @@ def decode_payload(payload: bytes) -> EventBatch:
         obj = _decode(payload)
     except (msgspec.DecodeError, TypeError, ValueError) as e:
         raise WireError(f"payload is not valid msgpack: {e}") from None
+    if type(obj) is dict and "events" in obj:
+        # Some vLLM builds declared EventBatch without array_like (a map on the wire):
+        # read it by field name, in declaration order.
+        obj = [obj.get("ts"), obj.get("events"), obj.get("data_parallel_rank", obj.get("attn_dp_rank"))]
     if type(obj) is not list or len(obj) < 2:
         raise WireError(f"payload must be an array [ts, events, dp_rank?], got {type(obj).__name__}")
     ts, raw_events = obj[0], obj[1]

@@ -61,6 +61,10 @@ class Gemma3Family:
     name: str = "gemma3"
 
     needs_text: ClassVar[bool] = False
+    # SGLang expands Gemma-3 images in the text (the HF processor's "\n\n" joins then
+    # merge differently from vLLM's token-level newline merge) and pads only the 256
+    # soft tokens (gemma3_mm.pad_input_ids): its image pages are keyed on text only.
+    sglang_exact: ClassVar[bool] = False
 
     @classmethod
     def from_config(

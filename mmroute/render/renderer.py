@@ -371,6 +371,8 @@ class Renderer:
                 parts = [content]
             else:
                 parts = list(content)
+            if role == "system":
+                parts = _strip_billing_header(parts)
             texts: list[Any] = []
             placeholders: list[str] = []
             for part in parts:
@@ -480,6 +482,31 @@ class Renderer:
 
 
 # ---- request validation / normalisation (vLLM protocol semantics) --------------------
+
+
+_BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def _strip_billing_header(parts: list[Any]) -> list[Any]:
+    """Drop Claude Code's attribution line from system text parts, as vLLM does (main,
+    ``renderers/chat_utils/parse_chat_message_content.py::_strip_claude_code_billing_header``,
+    PR #36829): its ``cch=`` value changes per request and would defeat every prefix hit.
+    A part starting with the header keeps what follows its first newline, if anything."""
+    out: list[Any] = []
+    for part in parts:
+        if isinstance(part, str):
+            text: Any = part
+        elif isinstance(part, dict) and part.get("type") == "text":
+            text = part.get("text")
+        else:
+            text = None
+        if not (isinstance(text, str) and text.startswith(_BILLING_HEADER)):
+            out.append(part)
+            continue
+        rest = text.partition("\n")[2]
+        if rest:
+            out.append(rest if isinstance(part, str) else {**part, "text": rest})
+    return out
 
 
 def _validate_messages(messages: Any) -> list[dict[str, Any]]:

@@ -57,6 +57,16 @@ class _SglangApi(EngineApi):
     def version(self) -> str:
         return self.w.config.sglang_version
 
+    def _tokenize_text(self, text: str) -> list[int]:
+        # SGLang tokenizes /generate text with special tokens, except when the tokenizer
+        # adds some and the text already starts with the BOS string (main,
+        # multimodal/processors/base_processor.py::process_mm_data, _tokenize_texts).
+        tok = self.proc.renderer.tokenizer
+        bos = tok.special_tokens.get("bos_token")
+        bos = bos.get("content") if isinstance(bos, dict) else bos
+        has_specials = len(tok.encode("", True)) > 0
+        return tok.encode(text, not (has_specials and isinstance(bos, str) and text.startswith(bos)))
+
     @property
     def _ignores_mm_hashes(self) -> bool:
         # mm_hashes exist from SGLang 0.5.18 (PR #25300); older builds drop the field.
@@ -90,7 +100,7 @@ class _SglangApi(EngineApi):
 
         refs = await self.proc.sglang_images(body.get("image_data"))
         hashes = self.proc.sglang_hashes(refs, None if self._ignores_mm_hashes else body.get("mm_hashes"))
-        ids = self.proc.renderer.tokenizer.encode(text, True) if text is not None else list(input_ids)
+        ids = self._tokenize_text(text) if text is not None else list(input_ids)
         images = [ImageInput(f"{h:016x}", r.width, r.height) for h, r in zip(hashes, refs)]
         expanded, items = self.proc.expand(ids, text, images)
         view = self.proc.sglang_view(expanded, items, hashes, self.version)
