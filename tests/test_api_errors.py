@@ -215,3 +215,27 @@ async def test_5xx_before_first_byte_retries_on_next_worker(sims):
     finally:
         await rrunner.cleanup()
         await runner.cleanup()
+
+
+async def test_truncate_prompt_tokens_and_cache_bypass(fleet):
+    long_conv = [{"role": "user", "content": "word " * 700}]
+    # Too long for max_model_len 512 unless truncated, as vLLM truncates before checking.
+    status, data, _ = await fleet.post("/v1/chat/completions", {"model": "m", "messages": long_conv, "max_tokens": 2})
+    assert status == 400
+    body = {"model": "m", "messages": long_conv, "max_tokens": 2, "truncate_prompt_tokens": 100}
+    ex = await fleet.explain(body)
+    full = fleet.ctx.renderer.render_chat({"messages": long_conv}, []).token_ids
+    assert ex["prompt_token_ids"] == full[-100:] and ex["prompt_tokens"] == 100
+    ex = await fleet.explain({**body, "truncation_side": "right"})
+    assert ex["prompt_token_ids"] == full[:100]
+    for bad in (0, -2, "x"):
+        status, data, _ = await fleet.post("/router/explain", {**body, "truncate_prompt_tokens": bad})
+        _assert_error(status, data, 400)
+    # prompt_logprobs: vLLM skips reading the cache, so no overlap is credited.
+    conv = [{"role": "user", "content": "a cached question " * 20}]
+    await fleet.chat(conv)
+    await fleet.sync()
+    ex = await fleet.explain({"model": "m", "messages": conv})
+    assert ex["candidates"][0]["overlap_blocks"] > 0
+    ex = await fleet.explain({"model": "m", "messages": conv, "prompt_logprobs": 1})
+    assert ex["candidates"][0]["overlap_blocks"] == 0 and ex["candidates"][0]["predicted_cached_tokens"] == 0

@@ -197,6 +197,8 @@ async def prepare(ctx: "AppContext", endpoint: str, body: Any) -> Prepared:
     else:  # remote /tokenize, or nothing to render
         ctx.metrics.observe_stage("tokenize", time.perf_counter() - t0)
     if prep.prompt is not None:
+        _truncate(ctx, prep)
+    if prep.prompt is not None:
         ctx.renderer.check_length(prep.prompt, _int_field(body, "max_completion_tokens") or _int_field(body, "max_tokens"))
         if prep.prompt.fallback:
             prep.fallback = prep.prompt.fallback
@@ -204,6 +206,38 @@ async def prepare(ctx: "AppContext", endpoint: str, body: Any) -> Prepared:
     if prep.fallback:
         ctx.metrics.fallback.labels(prep.fallback).inc()
     return prep
+
+
+def _truncate(ctx: "AppContext", prep: Prepared) -> None:
+    """``truncate_prompt_tokens`` as vLLM applies it before the engine sees the prompt
+    (``TokenizeParams``: -1 = the context length; ``truncation_side`` left keeps the last
+    N ids). A truncated multimodal prompt may cut an image: routed on load alone."""
+    body, p = prep.body, prep.prompt
+    n = body.get("truncate_prompt_tokens")
+    if n is None or p is None:
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or n < -1 or n == 0:
+        raise bad_request("'truncate_prompt_tokens' must be -1 or a positive integer", param="truncate_prompt_tokens")
+    side = body.get("truncation_side") or "left"
+    if side not in ("left", "right"):
+        raise bad_request("'truncation_side' must be 'left' or 'right'", param="truncation_side")
+    if n == -1:
+        n = ctx.renderer.max_model_len or p.length
+    if p.length <= n:
+        return
+    if p.mm_items or p.fallback:
+        prep.prompt, prep.fallback = None, "truncated_multimodal"
+        return
+    ids = p.token_ids[-n:] if side == "left" else p.token_ids[:n]
+    prep.prompt = RenderedPrompt(ids, [], p.text, None, p.num_images, len(ids), p.stage_seconds)
+
+
+def _cache_bypassed(body: dict[str, Any]) -> bool:
+    """vLLM skips reading the prefix cache when prompt logprobs are wanted
+    (``prompt_logprobs``, or ``echo`` with logprobs): such a request gains nothing from
+    an overlap and reports no cached tokens."""
+    return body.get("prompt_logprobs") is not None or bool(
+        body.get("echo") and (body.get("logprobs") or body.get("top_logprobs")))
 
 
 def _part_url(part: dict[str, Any]) -> str:
@@ -236,8 +270,11 @@ def _view_for(ctx: "AppContext", prep: Prepared, w: "Worker", bs: int, cache: di
         # Image pages unmatchable on this worker: key the text before the first image only.
         name = "sglang:text"
         if name not in cache:
-            first = min(it.offset for it in p.mm_items)
-            cache[name] = ViewKeys(name, views.sglang_view_keys(p.token_ids[:first], [], bs, None), len(p.token_ids), False)
+            # Sent to /generate (SGLang's tokenization rule) unless /generate cannot serve it.
+            tokens, items = (p.token_ids, p.mm_items) if prep.generate_unsupported else _sglang_generate_ids(ctx, p)
+            first = min(it.offset for it in items)
+            cache[name] = ViewKeys(name, views.sglang_view_keys(tokens[:first], [], bs, None), len(tokens), False,
+                                   added=len(tokens) - len(p.token_ids))
         return cache[name]
     name = f"sglang:{scheme or 'plain'}"
     if name not in cache:
@@ -278,8 +315,11 @@ def decide(ctx: "AppContext", prep: Prepared, exclude: set[str] | frozenset[str]
     by_view: dict[str, list[str]] = {}
     for wid, v in per_worker.items():
         by_view.setdefault(v.name, []).append(wid)
-    for name, wids in by_view.items():
-        overlaps.update(ctx.index.overlaps(cache[name].keys, wids))
+    if _cache_bypassed(prep.body):
+        overlaps = {w.id: 0 for w in workers}
+    else:
+        for name, wids in by_view.items():
+            overlaps.update(ctx.index.overlaps(cache[name].keys, wids))
     t2 = time.perf_counter()
     stages["lookup"] = t2 - t1
     candidates = [
