@@ -231,7 +231,7 @@ async def test_dead_worker_does_not_block_and_is_detected_later():
         w = reg.get("late")
         assert (w.backend, w.healthy, w.detected) == ("unknown", False, False)
         assert w.error and "unreachable" in w.error
-        assert w.kv_sources == [KVSource(0, f"tcp://127.0.0.1:5557", None, "")]  # the spec default meanwhile
+        assert w.kv_sources == [KVSource(0, "tcp://127.0.0.1:5557", None, "")]  # the spec default meanwhile
         async with serve(fw.app, port=port):
             await reg.wait_healthy(1, timeout=20)
             assert (w.backend, w.detected) == ("sglang", True)
