@@ -353,3 +353,19 @@ def test_snapshot_shape():
     assert w["blocks"] == 4 and w["engine_hashes"] == 4 and w["dp_ranks"] == [0]
     assert w["events"] == {"BlockStored:applied": 1}
     assert ROOT_KEY not in idx._holders
+
+
+def test_drop_speculative_leaves_real_stores():
+    from mmroute.kv.events import BlockStored, EventBatch
+    from mmroute.routing.keys import chain_keys
+
+    idx = PrefixIndex(block_size=4)
+    toks = list(range(16))
+    keys = chain_keys(toks, 4)
+    idx.apply("w", 0, EventBatch(0.0, [BlockStored([1, 2], None, toks[:8], 4)]))
+    idx.insert_speculative("w", keys, ttl_s=60, now=0.0)
+    assert idx.overlaps(keys, ["w"], now=1.0) == {"w": 4}
+    idx.drop_speculative("w", keys)
+    assert idx.overlaps(keys, ["w"], now=1.0) == {"w": 2}  # the two stored blocks stay
+    assert idx.speculative_count("w", now=1.0) == 0
+    idx.drop_speculative("nobody", keys)  # unknown worker: no-op

@@ -102,8 +102,8 @@ async def _send(ctx: AppContext, request: web.Request, prep: Prepared, route: Ro
     # Prefill share: the uncached prompt (released at the first token). Decode share: the
     # KV footprint the request holds until it completes (prompt + expected output), the
     # "active blocks" that slow every decode step of the worker.
-    booking = ctx.scheduler.book(worker.id, max(0, prep.prompt_tokens - predicted),
-                                 prep.prompt_tokens + prep.decode_tokens)
+    prompt_tokens = route.prompt_tokens_for(worker.id)
+    booking = ctx.scheduler.book(worker.id, max(0, prompt_tokens - predicted), prompt_tokens + prep.decode_tokens)
     if view.keys:
         ctx.index.insert_speculative(worker.id, view.keys, ctx.config.speculative_ttl)
     m = ctx.metrics
@@ -129,6 +129,8 @@ async def _send(ctx: AppContext, request: web.Request, prep: Prepared, route: Ro
         return resp
     except RetryableUpstreamError:
         status = 0
+        # It never saw the request: its blocks must not look cached there.
+        ctx.index.drop_speculative(worker.id, view.keys)
         raise
     except BaseException:
         status = 499  # client went away (or the handler was cancelled)

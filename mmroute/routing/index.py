@@ -295,6 +295,16 @@ class PrefixIndex:
             self._spec_seq += 1
             heapq.heappush(self._spec_heap, (exp, self._spec_seq, st.slot, added))
 
+    def drop_speculative(self, worker_id: str, keys: Sequence[int]) -> None:
+        """Forget speculative entries of ``keys`` on ``worker_id`` (the request never
+        reached it). Real stores are untouched."""
+        st = self._workers.get(worker_id)
+        if st is None or not st.spec:
+            return
+        for k in keys:
+            if k in st.spec:
+                self._drop_spec_key(st, k)
+
     def _drop_spec_key(self, st: _WorkerState, k: int) -> None:
         del st.spec[k]
         m = self._spec_mask[k] & ~st.bit
