@@ -182,7 +182,7 @@ async def test_5xx_before_first_byte_retries_on_next_worker(sims):
             return web.json_response({"version": "0.33.0"}) if request.path == "/version" else web.Response()
         if request.path == "/metrics":
             return web.Response(text="")
-        if request.path.startswith("/v1/"):
+        if request.method == "POST" and request.path.startswith("/v1/"):
             calls["n"] += 1
         return web.json_response({"error": {"message": "engine dead", "type": "InternalServerError"}}, status=500)
 

@@ -180,3 +180,19 @@ async def test_collector_mode_publishers_connect_to_the_router():
         await runner.cleanup()
         for s in sims:
             s.stop()
+
+
+async def test_lora_adapters_are_discovered_from_the_workers(sims):
+    """No --lora-modules on the router: the adapter listed by the workers' /v1/models is
+    accepted and keyed with its name; an unknown model is still a 404."""
+    fleet = await start_fleet(sims, QWEN25_VL)
+    try:
+        ex = await fleet.explain({"model": "sql-adapter", "messages": _conv(60)})
+        assert ex["lora_name"] == "sql-adapter"
+        await _assert_repeat_hits(fleet, {"model": "sql-adapter", "messages": _conv(60), "max_tokens": 2})
+        async with fleet.session.get(fleet.url + "/v1/models") as r:
+            assert {m["id"] for m in (await r.json())["data"]} == {"m", "sql-adapter"}
+        status, data, _ = await fleet.post("/v1/chat/completions", {"model": "no-such", "messages": _conv(1)})
+        assert status == 404 and data["error"]["code"] == "model_not_found"
+    finally:
+        await fleet.close()

@@ -114,6 +114,7 @@ class AppContext:
         self._tok_cache: OrderedDict[bytes, list[int]] = OrderedDict()
         self._tok_rr = 0
         self._sglang_mm_misses: dict[str, int] = {}
+        self._adapters_checked = float("-inf")
         self.started_at = time.time()
         self.metrics.registry.register(_StateCollector(self))
         self._log_mm_status()
@@ -128,6 +129,7 @@ class AppContext:
             self.collector.start()
         await self.registry.start()
         self._spawn(self._sweeper(), "booking-sweeper")
+        self._spawn(self._adapter_refresher(), "adapter-refresher")
 
     async def stop(self) -> None:
         for t in list(self._tasks):
@@ -209,6 +211,39 @@ class AppContext:
                      "events_seen": st.events_seen if st else 0,
                      "last_event_time": st.last_event_time if st else None}]
         return [dict(sub.snapshot(), dp_rank=rank) for (wid, rank), sub in self.subscribers.items() if wid == worker_id]
+
+    # ---------------------------------------------------------------- LoRA adapters
+    async def refresh_adapters(self, min_interval: float = 1.0) -> None:
+        """Learn the LoRA adapters the workers serve from their ``/v1/models`` (vLLM lists
+        each adapter with ``parent`` = the base model), so adapters loaded at run time are
+        routed (and keyed with their name) without ``--lora-modules``. Rate-limited."""
+        now = time.monotonic()
+        if now - self._adapters_checked < min_interval:
+            return
+        self._adapters_checked = now
+
+        async def one(w: Worker) -> set[str]:
+            try:
+                session = self.upstream.session(w)
+                async with session.get(w.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=3)) as r:
+                    data = await r.json(content_type=None) if r.status == 200 else {}
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                return set()
+            cards = data.get("data") if isinstance(data, dict) else None
+            return {c["id"] for c in cards or [] if isinstance(c, dict) and isinstance(c.get("id"), str)
+                    and c.get("parent") and c["id"] not in self.config.model_names}
+
+        found = await asyncio.gather(*(one(w) for w in self.registry.healthy_workers()))
+        for names in found:
+            new = names - self.lora_names
+            if new:
+                log.info("LoRA adapters discovered on the workers: %s", ", ".join(sorted(new)))
+                self.lora_names |= new
+
+    async def _adapter_refresher(self) -> None:
+        while True:
+            await self.refresh_adapters()
+            await asyncio.sleep(30.0)
 
     # ---------------------------------------------------------------- helpers for the pipeline
     def block_size(self) -> int:

@@ -154,6 +154,9 @@ async def prepare(ctx: "AppContext", endpoint: str, body: Any) -> Prepared:
     """Validate and render. Raises RouterError (4xx) for bad input."""
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
+    model = body.get("model")
+    if isinstance(model, str) and model not in ctx.config.model_names and model not in ctx.lora_names:
+        await ctx.refresh_adapters()  # an adapter loaded on the workers since we last looked?
     model, lora = _model_and_lora(ctx, body)
     stream, salt, decode = _validate_common(body)
     prep = Prepared(endpoint, body, model, stream, lora, salt, decode_tokens=decode,
