@@ -23,6 +23,7 @@ from mmroute.models.common import (
     TokenLookup,
     as_int,
     check_size,
+    find_all,
     placeholder_count_error,
     require_image_token_id,
 )
@@ -111,7 +112,7 @@ class Gemma3Family:
     def expand(
         self, token_ids: Sequence[int], images: Sequence[ImageInput], encode: Encode
     ) -> tuple[list[int], list[MMItem]]:
-        positions = [i for i, t in enumerate(token_ids) if t == self.boi_id]
+        positions = find_all(token_ids, self.boi_id)
         if len(positions) != len(images):
             raise placeholder_count_error(len(positions), len(images), self.boi_token)
         for image in images:
