@@ -200,9 +200,13 @@ class AppContext:
                      src.replay_endpoint or "none")
 
     def _on_unknown_parent(self, worker_id: str, dp_rank: int) -> None:
+        # A store whose parent the index never saw: ask that stream for a resync.
+        if self.collector is not None:
+            self.collector.request_resync(worker_id, dp_rank)
+            return
         sub = self.subscribers.get((worker_id, dp_rank))
-        if sub is not None and hasattr(sub, "request_resync"):
-            sub.request_resync()
+        if sub is not None:
+            sub.request_resync(dp_rank)
 
     def kv_state(self, worker_id: str) -> list[dict[str, Any]]:
         if self.collector is not None:

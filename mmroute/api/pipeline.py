@@ -8,7 +8,6 @@ calls the same two and stops there, so what explain shows is what routing does.
 from __future__ import annotations
 
 import copy
-import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -26,9 +25,6 @@ if TYPE_CHECKING:
     from mmroute.api.context import AppContext
     from mmroute.workers.registry import Worker
 
-log = logging.getLogger("mmroute.route")
-
-DEFAULT_BLOCK_SIZE = 16  # only used to cut keys before any worker told us its size
 DEFAULT_DECODE_TOKENS = 256  # expected output when the client set no max_tokens
 
 
@@ -66,7 +62,6 @@ class ViewKeys:
 
     name: str  # "vllm" | "sglang:wide" | "sglang:legacy" | "sglang:text" | "none"
     keys: list[int]
-    tokens: int  # length of the view's token list (for cached-token prediction)
     mm_exact: bool  # image blocks are keyed exactly in this view
     added: int = 0  # tokens the engine adds to our prompt in this view (SGLang's BOS)
 
@@ -255,16 +250,16 @@ def _part_url(part: dict[str, Any]) -> str:
 def _view_for(ctx: "AppContext", prep: Prepared, w: "Worker", bs: int, cache: dict[str, ViewKeys]) -> ViewKeys:
     p = prep.prompt
     if p is None:
-        return cache.setdefault("none", ViewKeys("none", [], 0, False))
+        return cache.setdefault("none", ViewKeys("none", [], False))
     if w.backend != "sglang":
         v = cache.get("vllm")
         if v is None:
             keys = views.vllm_view_keys(p.token_ids, p.mm_items, bs, prep.lora_name, prep.cache_salt)
-            v = cache["vllm"] = ViewKeys("vllm", keys, len(p.token_ids), True)
+            v = cache["vllm"] = ViewKeys("vllm", keys, True)
         return v
     # SGLang publishes no extra keys: salted / LoRA requests cannot be matched (ENGINES.md §3.1).
     if prep.lora_name or prep.cache_salt is not None:
-        return cache.setdefault("sglang:nomatch", ViewKeys("sglang:nomatch", [], len(p.token_ids), False))
+        return cache.setdefault("sglang:nomatch", ViewKeys("sglang:nomatch", [], False))
     scheme = views.sglang_scheme_for_version(w.version or "") if p.mm_items else None
     # Families whose SGLang token view differs from vLLM's beyond pad values (Gemma-3:
     # SGLang expands in text and pads only the soft tokens) are keyed on text only there.
@@ -276,7 +271,7 @@ def _view_for(ctx: "AppContext", prep: Prepared, w: "Worker", bs: int, cache: di
             # Sent to /generate (SGLang's tokenization rule) unless /generate cannot serve it.
             tokens, items = (p.token_ids, p.mm_items) if prep.generate_unsupported else _sglang_generate_ids(ctx, p)
             first = min(it.offset for it in items)
-            cache[name] = ViewKeys(name, views.sglang_view_keys(tokens[:first], [], bs, None), len(tokens), False,
+            cache[name] = ViewKeys(name, views.sglang_view_keys(tokens[:first], [], bs, None), False,
                                    added=len(tokens) - len(p.token_ids))
         return cache[name]
     name = f"sglang:{scheme or 'plain'}"
@@ -284,7 +279,7 @@ def _view_for(ctx: "AppContext", prep: Prepared, w: "Worker", bs: int, cache: di
         tokens, items = p.token_ids, p.mm_items
         if items:
             tokens, items = _sglang_generate_ids(ctx, p)
-        cache[name] = ViewKeys(name, views.sglang_view_keys(tokens, items, bs, scheme), len(tokens), True,
+        cache[name] = ViewKeys(name, views.sglang_view_keys(tokens, items, bs, scheme), True,
                                added=len(tokens) - len(p.token_ids))
     return cache[name]
 
